@@ -1,0 +1,69 @@
+defmodule Emily.Native do
+  @moduledoc """
+  The NIF: one function per MLX op, no policy.
+
+  Every function here is defined from the op table in `native/emily/optable/*.ops`, the
+  same table the Rust build turns into NIFs, so the two sides cannot drift apart.
+
+  ## Calling conventions
+
+    * **Ops** take a stream first (`Emily.Stream`'s handle), then their arguments, and
+      return tensor handles at once. The stream's worker thread builds the MLX graph
+      node behind them, in order. An MLX error in a lazy op is kept in its output and
+      raised (as `Emily.Error`, naming the op, shapes and dtypes) by the next call that
+      waits for a value: `eval/2`, `to_binary/2`, `describe/2`.
+    * **Waiting calls** (`eval`, `to_binary`, `describe`) take a reference first and
+      return it; the worker replies `{ref, {:ok, value} | {:error, %Emily.Error{}}}` to
+      the caller. `Emily` wraps them in a `receive`.
+    * Bad Elixir arguments (wrong term types, an unknown dtype, a negative dimension)
+      raise `ArgumentError` before any native work.
+
+  Dtypes are Nx type names: `{:u, 8}` … `{:s, 64}`, `{:f, 16 | 32 | 64}`, `{:bf, 16}`,
+  `{:c, 64}`, and `:bool`. Scalars (`:float` arguments) accept integers, floats, `:nan`,
+  `:infinity` and `:neg_infinity`.
+
+  ## Ops
+  #{for row <- Emily.Native.Table.rows(), row.kind == :generated, into: "" do
+    "  * `#{row.name}` (#{row.family})\n"
+  end}
+  """
+
+  @on_load :__load_nif__
+
+  for file <- Emily.Native.Table.files(), do: @external_resource(file)
+
+  @doc false
+  def __load_nif__ do
+    path = :filename.join(:code.priv_dir(:emily), ~c"native/libemily")
+
+    case :erlang.load_nif(path, 0) do
+      :ok -> :ok
+      {:error, {:reload, _}} -> :ok
+      {:error, reason} -> {:error, reason}
+    end
+  end
+
+  for row <- Emily.Native.Table.rows() do
+    names = Enum.map(row.args, &elem(&1, 0))
+    names = if row.kind == :generated, do: [:stream | names], else: names
+    vars = Enum.map(names, &Macro.var(:"_#{&1}", __MODULE__))
+    signature = Enum.map_join(names, ", ", &Atom.to_string/1)
+
+    types =
+      Enum.map_join(row.args, ", ", fn {n, t} -> "`#{n}` #{t}" end)
+
+    returns =
+      cond do
+        row.kind == :custom -> ""
+        row.outputs == 1 -> " Returns a tensor."
+        true -> " Returns a list of #{row.outputs} tensors."
+      end
+
+    @doc """
+    `#{row.name}(#{signature})`#{if types != "", do: ": " <> types}.#{returns}
+
+    #{if row.expr, do: "MLX: `#{row.expr}`", else: "Hand-written (`native/emily/src`)."}
+    """
+    def unquote(row.name)(unquote_splicing(vars)), do: :erlang.nif_error(:nif_not_loaded)
+  end
+end

@@ -1,0 +1,63 @@
+defmodule Emily.Native.Table do
+  @moduledoc false
+  # Reads the op table (`native/emily/optable/*.ops`), the single list of Emily's NIFs.
+  # The Rust build (build/optable.rs) parses the same files; the grammar is documented
+  # there. This module only needs each row's name, arguments and kind.
+
+  @dir Path.expand("../../../native/emily/optable", __DIR__)
+
+  def dir, do: @dir
+
+  def files, do: @dir |> Path.join("*.ops") |> Path.wildcard() |> Enum.sort()
+
+  @doc "Every row of every table file, in file order."
+  def rows do
+    for file <- files(), row <- parse(file), do: row
+  end
+
+  defp parse(file) do
+    family = Path.basename(file, ".ops")
+
+    file
+    |> File.read!()
+    |> String.split("\n")
+    |> Enum.with_index(1)
+    |> Enum.reject(fn {line, _} ->
+      String.trim(line) == "" or String.starts_with?(String.trim(line), "#")
+    end)
+    |> Enum.map(fn {line, n} -> parse_row(String.trim(line), family, "#{file}:#{n}") end)
+  end
+
+  defp parse_row(line, family, where) do
+    {head, kind, expr} =
+      case String.split(line, "=", parts: 2) do
+        [head, expr] -> {head, :generated, String.trim(expr)}
+        [head] -> {String.replace_suffix(head, "custom", ""), :custom, nil}
+      end
+
+    {head, outputs} =
+      case String.split(head, "->") do
+        [h, n] -> {h, String.to_integer(String.trim(n))}
+        [h] -> {h, 1}
+      end
+
+    [name | args] = String.split(head)
+
+    args =
+      Enum.map(args, fn arg ->
+        case String.split(arg, ":") do
+          [n, t] -> {String.to_atom(n), t}
+          _ -> raise "#{where}: bad argument #{inspect(arg)}"
+        end
+      end)
+
+    %{
+      name: String.to_atom(name),
+      family: family,
+      args: args,
+      outputs: outputs,
+      kind: kind,
+      expr: expr
+    }
+  end
+end

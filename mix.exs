@@ -1,0 +1,49 @@
+Code.require_file("mix/compile.emily_native.exs", __DIR__)
+
+defmodule Emily.MixProject do
+  use Mix.Project
+
+  @version "0.3.0"
+  @source_url "https://github.com/emily-ml/emily"
+
+  def project do
+    [
+      app: :emily,
+      version: @version,
+      elixir: "~> 1.17",
+      start_permanent: Mix.env() == :prod,
+      compilers: [:emily_native | Mix.compilers()],
+      elixirc_paths: elixirc_paths(Mix.env()),
+      deps: deps(),
+      description:
+        "MLX for Elixir: an Nx backend and defn compiler on Apple's MLX (Metal, CUDA, CPU)",
+      package: package(),
+      docs: [main: "readme", extras: ["README.md"], source_url: @source_url],
+      test_coverage: [ignore_modules: [Emily.TestCase]]
+    ]
+  end
+
+  def application do
+    [extra_applications: [:logger], mod: {Emily.Application, []}]
+  end
+
+  defp elixirc_paths(:test), do: ["lib", "test/support"]
+  defp elixirc_paths(_), do: ["lib"]
+
+  defp deps do
+    [
+      {:nx, "~> 0.13", optional: true},
+      {:telemetry, "~> 1.0", optional: true}
+    ]
+  end
+
+  defp package do
+    [
+      licenses: ["Apache-2.0"],
+      links: %{"GitHub" => @source_url},
+      files: ~w(lib mix native/emily/src native/emily/cpp native/emily/build native/emily/optable
+                native/emily/build.rs native/emily/Cargo.toml native/emily/Cargo.lock scripts
+                mix.exs README.md)
+    ]
+  end
+end

@@ -1,0 +1,135 @@
+//! Builds the NIF: generates the op table's Rust NIFs and C++ dispatch, compiles the cxx
+//! bridge as C++20 against MLX's headers, and links libmlx (OpenBLAS first on Linux).
+#[path = "build/codegen.rs"]
+mod codegen;
+#[path = "build/optable.rs"]
+mod optable;
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// The folder holding `mlx/include` and `mlx/lib`: `$EMILY_MLX_DIR`, else the one
+/// `scripts/setup` installed (`$EMILY_CACHE/current`, default `~/.cache/emily/current`).
+fn mlx_dir() -> PathBuf {
+    println!("cargo:rerun-if-env-changed=EMILY_MLX_DIR");
+    println!("cargo:rerun-if-env-changed=EMILY_CACHE");
+    let dir = match env::var_os("EMILY_MLX_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            let cache = env::var_os("EMILY_CACHE")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(env::var("HOME").expect("HOME")).join(".cache/emily"));
+            cache.join("current")
+        }
+    };
+    let dir = dir.canonicalize().unwrap_or(dir);
+    if !dir.join("mlx/include/mlx/mlx.h").exists() {
+        panic!(
+            "MLX not found in {} (expected mlx/include/mlx/mlx.h): run scripts/setup or set EMILY_MLX_DIR",
+            dir.display()
+        );
+    }
+    dir
+}
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let mlx = mlx_dir();
+
+    // --- op table -> Rust NIFs + C++ dispatch -------------------------------------------
+    let table_dir = manifest.join("optable");
+    println!("cargo:rerun-if-changed={}", table_dir.display());
+    let mut files: Vec<PathBuf> = fs::read_dir(&table_dir)
+        .expect("optable/")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ops"))
+        .collect();
+    files.sort();
+
+    let mut families = Vec::new();
+    let mut cpp_files = Vec::new();
+    let mut next_id = 0u32;
+    let mut seen = std::collections::HashSet::new();
+    for path in &files {
+        println!("cargo:rerun-if-changed={}", path.display());
+        let family = path.file_stem().unwrap().to_string_lossy().to_string();
+        let ops =
+            optable::parse(&family, &fs::read_to_string(path).unwrap()).unwrap_or_else(|e| panic!("{e}"));
+        for op in &ops {
+            assert!(seen.insert(op.name.clone()), "op `{}` appears twice in the table", op.name);
+        }
+        let numbered: Vec<(u32, &optable::Op)> = ops
+            .iter()
+            .map(|op| {
+                next_id += 1;
+                (next_id, op)
+            })
+            .collect();
+        let module = manifest.join(format!("src/ops/{family}.rs"));
+        let needle = format!("nifs_{family}.rs");
+        let generated = ops.iter().any(|op| matches!(op.body, optable::Body::Expr(_)));
+        if generated && !fs::read_to_string(&module).is_ok_and(|m| m.contains(&needle)) {
+            panic!("{} must include!(concat!(env!(\"OUT_DIR\"), \"/{needle}\"))", module.display());
+        }
+        write_if_changed(&out.join(&needle), &codegen::rust_nifs(&numbered));
+        let cc = out.join(format!("ops_{family}.cc"));
+        write_if_changed(&cc, &codegen::cpp_family(&family, &numbered));
+        cpp_files.push(cc);
+        families.push(family);
+    }
+    let dispatch = out.join("dispatch.cc");
+    write_if_changed(&dispatch, &codegen::cpp_dispatch(&families));
+    cpp_files.push(dispatch);
+
+    // --- the cxx bridge and the C++ glue ------------------------------------------------
+    let cpp_dir = manifest.join("cpp");
+    println!("cargo:rerun-if-changed={}", cpp_dir.display());
+    println!("cargo:rerun-if-changed=src/bridge.rs");
+    for e in fs::read_dir(&cpp_dir).unwrap() {
+        let p = e.unwrap().path();
+        println!("cargo:rerun-if-changed={}", p.display());
+        if p.extension().is_some_and(|x| x == "cc") {
+            cpp_files.push(p);
+        }
+    }
+    cxx_build::bridge("src/bridge.rs")
+        .files(&cpp_files)
+        .include(&cpp_dir)
+        .include(mlx.join("mlx/include"))
+        .std("c++20")
+        .flag_if_supported("-Wno-unused-parameter")
+        .flag_if_supported("-Wno-deprecated-declarations")
+        .opt_level(2)
+        .compile("emily_bridge");
+
+    // --- linking ------------------------------------------------------------------------
+    let lib = mlx.join("mlx/lib");
+    println!("cargo:rustc-link-search=native={}", lib.display());
+    println!("cargo:rerun-if-env-changed=EMILY_MLX_RPATH");
+    let rpath = env::var("EMILY_MLX_RPATH").unwrap_or_else(|_| lib.display().to_string());
+    let target_os = env::var("CARGO_CFG_TARGET_OS").unwrap();
+    if target_os == "linux" {
+        // OpenBLAS must come ahead of libmlx in the NEEDED list: libmlx's cblas_*/LAPACK
+        // symbols then bind to it instead of the wheel's bundled reference BLAS.
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo:rustc-link-arg=-lopenblas");
+        println!("cargo:rustc-link-arg=-lmlx");
+        println!("cargo:rustc-link-arg=-Wl,--as-needed");
+    } else {
+        println!("cargo:rustc-link-lib=dylib=mlx");
+    }
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{rpath}");
+    if target_os == "macos" {
+        // NIF symbols resolve against the BEAM at load time.
+        println!("cargo:rustc-cdylib-link-arg=-undefined");
+        println!("cargo:rustc-cdylib-link-arg=dynamic_lookup");
+    }
+}
+
+fn write_if_changed(path: &Path, text: &str) {
+    if fs::read_to_string(path).ok().as_deref() != Some(text) {
+        fs::write(path, text).unwrap();
+    }
+}

@@ -1,0 +1,51 @@
+// The C++ side of the cxx bridge (src/bridge.rs): declarations only. Glue, no logic:
+// each function forwards to MLX's C++ API and lets its exceptions reach Rust.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "mlx/mlx.h"
+#include "rust/cxx.h"
+
+namespace emily {
+
+using mlx::core::array;
+using mlx::core::Stream;
+
+// A list of arrays crossing the bridge (inputs and outputs of one op).
+struct ArrayVec {
+  std::vector<array> items;
+};
+
+std::unique_ptr<ArrayVec> array_vec_new();
+void array_vec_push(ArrayVec& v, const array& a);
+size_t array_vec_len(const ArrayVec& v);
+std::unique_ptr<array> array_vec_take(ArrayVec& v, size_t i);
+
+// stream.cc
+rust::String mlx_version();
+bool device_available(int32_t device);
+std::unique_ptr<Stream> stream_new(int32_t device);
+void synchronize(const Stream& s);
+
+// tensor.cc
+std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
+                                  uint8_t dtype_val, uint8_t dtype_size);
+std::unique_ptr<array> clone_array(const array& a);
+void eval_arrays(const ArrayVec& v);
+void eval_array(const array& a);
+// Evaluates `a` into a row-contiguous array whose data() can be exported without a copy.
+std::unique_ptr<array> export_array(const array& a, const Stream& s);
+const uint8_t* array_data(const array& a);
+size_t array_nbytes(const array& a);
+rust::Vec<int32_t> array_shape(const array& a);
+uint8_t array_dtype_val(const array& a);
+
+// dispatch.cc (generated from the op table)
+std::unique_ptr<ArrayVec> op_call(uint32_t op, const ArrayVec& tensors, rust::Slice<const int64_t> ints,
+                                  rust::Slice<const double> floats, rust::Slice<const rust::String> strs,
+                                  const Stream& s);
+
+}  // namespace emily

@@ -1,0 +1,49 @@
+// Tensors: creation from bytes, evaluation, export, and what Rust reads off an array.
+#include <cstring>
+
+#include "emily.h"
+
+namespace emily {
+namespace mx = mlx::core;
+
+std::unique_ptr<ArrayVec> array_vec_new() { return std::make_unique<ArrayVec>(); }
+void array_vec_push(ArrayVec& v, const array& a) { v.items.push_back(a); }
+size_t array_vec_len(const ArrayVec& v) { return v.items.size(); }
+std::unique_ptr<array> array_vec_take(ArrayVec& v, size_t i) {
+  return std::make_unique<array>(std::move(v.items.at(i)));
+}
+
+std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
+                                  uint8_t dtype_val, uint8_t dtype_size) {
+  mx::Shape s(shape.begin(), shape.end());
+  mx::Dtype dt(static_cast<mx::Dtype::Val>(dtype_val), dtype_size);
+  // One copy in: MLX copies from a foreign pointer (it aliases only on Metal, and the
+  // binary's lifetime is the caller's), so the deleter has nothing to free.
+  return std::make_unique<array>(const_cast<uint8_t*>(data.data()), std::move(s), dt, [](void*) {});
+}
+
+std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<array>(a); }
+
+void eval_arrays(const ArrayVec& v) { mx::eval(v.items); }
+void eval_array(const array& a) { mx::eval({a}); }
+
+std::unique_ptr<array> export_array(const array& a, const Stream& s) {
+  array out = a;
+  mx::eval({out});
+  if (!out.flags().row_contiguous) {
+    out = mx::contiguous(out, false, s);
+    mx::eval({out});
+  }
+  return std::make_unique<array>(std::move(out));
+}
+
+const uint8_t* array_data(const array& a) { return a.data<uint8_t>(); }
+size_t array_nbytes(const array& a) { return a.nbytes(); }
+rust::Vec<int32_t> array_shape(const array& a) {
+  rust::Vec<int32_t> v;
+  for (auto d : a.shape()) v.push_back(d);
+  return v;
+}
+uint8_t array_dtype_val(const array& a) { return static_cast<uint8_t>(a.dtype().val()); }
+
+}  // namespace emily

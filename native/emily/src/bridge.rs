@@ -1,0 +1,52 @@
+//! The cxx bridge: the whole C++ surface Emily calls. Every op goes through `op_call`,
+//! whose per-op cases are generated from the op table (build/codegen.rs).
+#[cxx::bridge(namespace = "emily")]
+pub mod ffi {
+    unsafe extern "C++" {
+        include!("emily.h");
+
+        #[namespace = "mlx::core"]
+        #[cxx_name = "array"]
+        type Array;
+        #[namespace = "mlx::core"]
+        type Stream;
+        type ArrayVec;
+
+        fn array_vec_new() -> UniquePtr<ArrayVec>;
+        fn array_vec_push(v: Pin<&mut ArrayVec>, a: &Array);
+        fn array_vec_len(v: &ArrayVec) -> usize;
+        fn array_vec_take(v: Pin<&mut ArrayVec>, i: usize) -> Result<UniquePtr<Array>>;
+
+        fn mlx_version() -> String;
+        fn device_available(device: i32) -> Result<bool>;
+        fn stream_new(device: i32) -> Result<UniquePtr<Stream>>;
+        fn synchronize(s: &Stream) -> Result<()>;
+
+        fn from_bytes(data: &[u8], shape: &[i32], dtype_val: u8, dtype_size: u8) -> Result<UniquePtr<Array>>;
+        fn clone_array(a: &Array) -> UniquePtr<Array>;
+        fn eval_arrays(v: &ArrayVec) -> Result<()>;
+        fn eval_array(a: &Array) -> Result<()>;
+        fn export_array(a: &Array, s: &Stream) -> Result<UniquePtr<Array>>;
+        fn array_data(a: &Array) -> *const u8;
+        fn array_nbytes(a: &Array) -> usize;
+        fn array_shape(a: &Array) -> Vec<i32>;
+        fn array_dtype_val(a: &Array) -> u8;
+
+        fn op_call(
+            op: u32,
+            tensors: &ArrayVec,
+            ints: &[i64],
+            floats: &[f64],
+            strs: &[String],
+            s: &Stream,
+        ) -> Result<UniquePtr<ArrayVec>>;
+    }
+}
+
+/// An evaluated array, safe to read from any thread: MLX only forbids *lazy* arrays from
+/// crossing threads. It is dropped on a worker thread (see `tensor.rs`).
+pub struct SendArray(pub cxx::UniquePtr<ffi::Array>);
+// SAFETY: only evaluated arrays are wrapped; their buffers are immutable and MLX's
+// refcounts are atomic.
+unsafe impl Send for SendArray {}
+unsafe impl Sync for SendArray {}

@@ -1,0 +1,62 @@
+//! Decoders for the argument kinds of the op table that need checks before native work.
+use crate::error::argument_error;
+use rustler::{Atom, Decoder, NifResult, Term, TermType};
+
+mod atoms {
+    rustler::atoms! { nan, infinity, neg_infinity }
+}
+
+/// A shape: a list or tuple of non-negative integers.
+pub struct Shape(pub Vec<i64>);
+
+impl<'a> Decoder<'a> for Shape {
+    fn decode(term: Term<'a>) -> NifResult<Self> {
+        let dims: Vec<i64> = match term.get_type() {
+            TermType::Tuple => rustler::types::tuple::get_tuple(term)?
+                .into_iter()
+                .map(|t| t.decode::<i64>())
+                .collect::<NifResult<_>>()
+                .map_err(|_| argument_error(format!("expected a shape of integers, got: {term:?}")))?,
+            _ => term.decode().map_err(|_| {
+                argument_error(format!("expected a shape (tuple or list of integers), got: {term:?}"))
+            })?,
+        };
+        if let Some(d) = dims.iter().find(|&&d| d < 0 || d > i32::MAX as i64) {
+            return Err(argument_error(format!(
+                "shape dimensions must be in 0..{}, got {d} in {term:?}",
+                i32::MAX
+            )));
+        }
+        Ok(Shape(dims))
+    }
+}
+
+impl Shape {
+    pub fn size(&self) -> Option<u64> {
+        self.0.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+    }
+}
+
+/// A number: an integer, a float, `:nan`, `:infinity` or `:neg_infinity`.
+pub struct Number(pub f64);
+
+impl<'a> Decoder<'a> for Number {
+    fn decode(term: Term<'a>) -> NifResult<Self> {
+        if let Ok(f) = term.decode::<f64>() {
+            return Ok(Number(f));
+        }
+        if let Ok(i) = term.decode::<i64>() {
+            return Ok(Number(i as f64));
+        }
+        if let Ok(a) = term.decode::<Atom>() {
+            if a == atoms::nan() {
+                return Ok(Number(f64::NAN));
+            } else if a == atoms::infinity() {
+                return Ok(Number(f64::INFINITY));
+            } else if a == atoms::neg_infinity() {
+                return Ok(Number(f64::NEG_INFINITY));
+            }
+        }
+        Err(argument_error(format!("expected a number, :nan, :infinity or :neg_infinity, got: {term:?}")))
+    }
+}

@@ -1,0 +1,51 @@
+//! Rust-side logic that needs no BEAM: the op table parser, the dtype table, error
+//! messages. The modules are included by path so this binary never links the NIF.
+#[path = "../src/dtype.rs"]
+#[allow(dead_code)]
+mod dtype;
+#[path = "../src/error.rs"]
+#[allow(dead_code)]
+mod error;
+#[path = "../build/optable.rs"]
+mod optable;
+
+use optable::{parse, ArgType, Body};
+
+#[test]
+fn parses_rows() {
+    let ops = parse(
+        "t",
+        "# comment\nsum a:tensor axes:ints keepdims:bool = sum(a, axes, keepdims, s)\n\
+         qr a:tensor -> 2 = linalg::qr(a, s)\nto_binary ref:term t:tensor custom\n",
+    )
+    .unwrap();
+    assert_eq!(ops.len(), 3);
+    assert_eq!(ops[0].name, "sum");
+    assert_eq!(ops[0].args[1].ty, ArgType::Ints);
+    assert_eq!(ops[0].body, Body::Expr("sum(a, axes, keepdims, s)".into()));
+    assert_eq!(ops[1].outputs, 2);
+    assert_eq!(ops[2].body, Body::Custom);
+}
+
+#[test]
+fn rejects_bad_rows() {
+    assert!(parse("t", "Bad a:tensor = x").is_err());
+    assert!(parse("t", "f a:wat = x").is_err());
+    assert!(parse("t", "f a = x").is_err());
+    assert!(parse("t", "f a:tensor").is_err());
+    assert!(parse("t", "f r:term = x(r)").is_err());
+}
+
+#[test]
+fn every_table_file_parses() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/optable");
+    let mut names = std::collections::HashSet::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let fam = p.file_stem().unwrap().to_string_lossy().to_string();
+        for op in parse(&fam, &std::fs::read_to_string(&p).unwrap()).unwrap() {
+            assert!(names.insert(op.name.clone()), "duplicate {}", op.name);
+        }
+    }
+    assert!(names.len() > 40);
+}
