@@ -14,11 +14,6 @@ pub mod worker;
 
 pub(crate) mod atoms {
     rustler::atoms! { ok, error, cpu, gpu }
-
-    /// `:ok`, for replies whose value is just success.
-    pub fn ok_value() -> rustler::Atom {
-        ok()
-    }
 }
 
 rustler::init!("Elixir.Emily.Native");

@@ -158,11 +158,12 @@ fn from_binary<'a>(stream: StreamArg, data: Term<'a>, shape: Shape, dtype: DType
 /// once all are done, or `{ref, {:error, e}}` with the first error.
 #[rustler::nif]
 fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifResult<Term<'a>> {
-    let reply = Reply::new(env, reference);
     let Some(first) = tensors.first() else {
-        reply.send(|env| crate::atoms::ok().encode(env));
+        let msg = (reference, (crate::atoms::ok(), crate::atoms::ok())).encode(env);
+        let _ = env.send(&env.pid(), msg);
         return Ok(reference);
     };
+    let reply = Reply::new(env, reference);
     let worker = first.worker.clone();
     if tensors.iter().any(|t| !Arc::ptr_eq(&t.worker, &worker)) {
         return Err(argument_error("eval: all tensors must belong to one stream"));
@@ -185,7 +186,7 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifRe
             }
             Ok(())
         })();
-        reply.send_result(res.map(|_| crate::atoms::ok_value()));
+        reply.send_result(res.map(|_| crate::atoms::ok()));
     }));
     Ok(reference)
 }

@@ -1,0 +1,27 @@
+defmodule Emily.SkipReport do
+  @moduledoc false
+  # An ExUnit formatter that reports, by count and reason, the tests a run excluded:
+  # the `:nx` suites when Nx is not loaded, say.
+  use GenServer
+
+  def init(_opts), do: {:ok, %{}}
+
+  def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, _}, tags: tags}}, counts) do
+    tag = Enum.find([:nx, :gpu, :soak, :fuzz], :other, &tags[&1])
+    {:noreply, Map.update(counts, tag, 1, &(&1 + 1))}
+  end
+
+  def handle_cast({:suite_finished, _}, counts) do
+    for {tag, n} <- counts do
+      IO.puts("Excluded #{n} test(s) tagged #{inspect(tag)}#{reason(tag)}")
+    end
+
+    {:noreply, counts}
+  end
+
+  def handle_cast(_event, counts), do: {:noreply, counts}
+
+  defp reason(:nx), do: " (Nx is not loaded: run them where Nx is available, see README)"
+  defp reason(:gpu), do: " (no GPU device in this MLX build)"
+  defp reason(_), do: ""
+end

@@ -1,0 +1,45 @@
+defmodule Emily.TestCase do
+  @moduledoc false
+  # Helpers for tests of the native layer: build tensors from lists, read them back,
+  # compare with tolerances.
+  use ExUnit.CaseTemplate
+
+  using do
+    quote do
+      import Emily.TestCase
+      alias Emily.Native, as: N
+    end
+  end
+
+  @doc "The calling process's stream."
+  def s, do: Emily.Stream.current()
+
+  @doc "A tensor from a flat list, with an optional shape."
+  def t(list, dtype \\ {:f, 32}, shape \\ nil) do
+    Emily.from_list(list, dtype, shape: shape || {length(list)})
+  end
+
+  @doc "A tensor's values as a flat list."
+  def l(tensor), do: Emily.to_list(tensor)
+
+  @doc "Asserts two flat lists are equal within `tol` (absolute + relative); :nan matches :nan."
+  def assert_close(actual, expected, tol \\ 1.0e-5) when is_list(actual) and is_list(expected) do
+    ExUnit.Assertions.assert(length(actual) == length(expected),
+      message:
+        "length #{length(actual)} != #{length(expected)}: #{inspect(actual)} vs #{inspect(expected)}"
+    )
+
+    for {a, e} <- Enum.zip(actual, expected) do
+      ExUnit.Assertions.assert(close?(a, e, tol),
+        message: "#{inspect(actual)}\n  is not close to\n#{inspect(expected)}"
+      )
+    end
+
+    :ok
+  end
+
+  defp close?(a, a, _), do: true
+  defp close?({ar, ai}, {er, ei}, tol), do: close?(ar, er, tol) and close?(ai, ei, tol)
+  defp close?(a, e, tol) when is_number(a) and is_number(e), do: abs(a - e) <= tol * (1 + abs(e))
+  defp close?(_, _, _), do: false
+end

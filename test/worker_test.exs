@@ -1,0 +1,121 @@
+defmodule Emily.WorkerTest do
+  use Emily.TestCase, async: false
+
+  test "an MLX error leaves the worker usable" do
+    stream = Emily.Stream.new(:cpu)
+    x = Emily.from_list([1.0, 2.0], {:f, 32}, stream: stream)
+    bad = N.matmul(stream, x, Emily.from_list([1.0, 2.0, 3.0], {:f, 32}, stream: stream))
+    assert_raise Emily.Error, ~r/matmul/, fn -> Emily.eval(bad) end
+    # The failed tensor keeps its error; everything else on the worker goes on.
+    assert_raise Emily.Error, fn -> Emily.to_binary(bad) end
+    assert l(N.add(stream, x, x)) == [2.0, 4.0]
+  end
+
+  test "errors propagate through lazy chains and name the failing op" do
+    x = t([1.0, 2.0])
+    bad = N.reshape(s(), x, {3})
+    chained = N.exp(s(), N.add(s(), bad, x))
+    e = assert_raise Emily.Error, fn -> l(chained) end
+    assert e.message =~ "reshape:"
+    assert e.message =~ "f32[2]"
+  end
+
+  test "a long eval on one worker does not stall other processes" do
+    stream = Emily.Stream.new(:cpu)
+    # Elementwise kernels run on the worker's one thread (BLAS would take every core and
+    # measure the OS, not the schedulers): about a second of MLX work.
+    a = N.full(stream, {4_000_000}, 0.5, {:f, 32})
+    chain = Enum.reduce(1..40, a, fn _, acc -> N.sin(stream, N.exp(stream, acc)) end)
+
+    parent = self()
+
+    ticker =
+      spawn_link(fn ->
+        ticks = for _ <- 1..20, do: measure_tick()
+        send(parent, {:ticks, ticks})
+      end)
+
+    task = Task.async(fn -> :timer.tc(fn -> Emily.eval(chain) end) end)
+    assert_receive {:ticks, ticks}, 10_000
+    {eval_us, :ok} = Task.await(task, 60_000)
+    refute Process.alive?(ticker)
+    # Each tick sleeps 5 ms; a blocked scheduler would stretch one to the eval's length.
+    assert Enum.max(ticks) < 50,
+           "a 5 ms sleep took #{Enum.max(ticks)} ms during a #{div(eval_us, 1000)} ms eval"
+  end
+
+  test "other streams keep working while one worker is busy" do
+    busy = Emily.Stream.new(:cpu)
+    n = 1536
+    a = N.full(busy, {n, n}, 1.0, {:f, 32})
+    chain = Enum.reduce(1..6, a, fn _, acc -> N.matmul(busy, acc, a) end)
+    task = Task.async(fn -> Emily.eval(chain) end)
+
+    other = Emily.Stream.new(:cpu)
+
+    {us, value} =
+      :timer.tc(fn ->
+        l(
+          N.add(
+            other,
+            Emily.from_list([1.0], {:f, 32}, stream: other),
+            Emily.from_list([2.0], {:f, 32}, stream: other)
+          )
+        )
+      end)
+
+    assert value == [3.0]
+    Task.await(task, 60_000)
+    assert us < 2_000_000
+  end
+
+  test "dropping a stream and its tensors stops its thread" do
+    before = thread_count()
+
+    for _ <- 1..20 do
+      st = Emily.Stream.new(:cpu)
+
+      Emily.to_list(
+        N.add(
+          st,
+          Emily.from_list([1.0], {:f, 32}, stream: st),
+          Emily.from_list([1.0], {:f, 32}, stream: st)
+        )
+      )
+    end
+
+    :erlang.garbage_collect()
+    Process.sleep(200)
+    # MLX leaves one thread behind per CPU stream it ever saw (DESIGN.md); Emily's own
+    # worker threads are gone, so fewer than 2 per stream remain.
+    assert thread_count() - before < 40
+  end
+
+  test "tensors of another stream must be evaluated before use" do
+    a = Emily.Stream.new(:cpu)
+    b = Emily.Stream.new(:cpu)
+
+    x =
+      N.add(
+        a,
+        Emily.from_list([1.0], {:f, 32}, stream: a),
+        Emily.from_list([1.0], {:f, 32}, stream: a)
+      )
+
+    assert_raise ArgumentError, ~r/another stream/, fn -> N.exp(b, x) end
+    Emily.eval(x)
+    assert_close(l(N.exp(b, x)), [7.389056])
+  end
+
+  defp measure_tick do
+    {us, _} = :timer.tc(fn -> Process.sleep(5) end)
+    div(us, 1000)
+  end
+
+  defp thread_count do
+    case File.ls("/proc/self/task") do
+      {:ok, tasks} -> length(tasks)
+      _ -> 0
+    end
+  end
+end
