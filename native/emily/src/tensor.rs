@@ -168,7 +168,7 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifRe
     if tensors.iter().any(|t| !Arc::ptr_eq(&t.worker, &worker)) {
         return Err(argument_error("eval: all tensors must belong to one stream"));
     }
-    worker.submit(Box::new(move |st: &mut State| {
+    worker.submit_now(Box::new(move |st: &mut State| {
         let pending: Vec<&TensorArg> = tensors.iter().filter(|t| t.evaluated.get().is_none()).collect();
         // One graph eval for all of them, then record each evaluated array.
         let res = (|| -> Result<(), Error> {
@@ -197,7 +197,7 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifRe
 fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
-    worker.submit(Box::new(move |st: &mut State| match evaluate(st, &tensor, "to_binary") {
+    worker.submit_now(Box::new(move |st: &mut State| match evaluate(st, &tensor, "to_binary") {
         Err(e) => reply.send_result::<()>(Err(e)),
         Ok(arr) => {
             let len = ffi::array_nbytes(&arr.0);
@@ -221,7 +221,7 @@ fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'
 fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
-    worker.submit(Box::new(move |st: &mut State| {
+    worker.submit_now(Box::new(move |st: &mut State| {
         let res = st.get(tensor.id, "describe").map(|a| (ffi::array_shape(a), ffi::array_dtype_val(a)));
         reply.send(|env| match res {
             Ok((shape, val)) => {

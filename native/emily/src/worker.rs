@@ -10,16 +10,22 @@
 //! and the worker builds nodes while the caller goes on (the performance targets of
 //! `bench/` rest on this). Only evaluated arrays cross threads (`bridge::SendArray`).
 //!
+//! Lazy ops do not wake the worker: they only join its queue. A waiting call (eval,
+//! to_binary, ...) wakes it, and so does a queue grown to `WAKE_AT` jobs, so the worker
+//! then builds a whole chain of nodes in one go instead of paying a thread wake-up per op.
+//!
 //! Dropping the last handle to a worker closes its queue; the thread drains the queue,
 //! drops its arrays and stream, and is joined by the reaper thread, never by a scheduler.
 use crate::bridge::ffi;
 use crate::error::Error;
 use cxx::UniquePtr;
 use std::collections::HashMap;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::mpsc::{self, Sender};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -60,8 +66,27 @@ impl State {
 
 pub type Job = Box<dyn FnOnce(&mut State) + Send>;
 
+/// Lazy jobs queued beyond this many wake the worker anyway, so that long chains overlap
+/// with the caller instead of piling up.
+const WAKE_AT: usize = 64;
+
+/// After running its jobs, a worker polls for more this long before sleeping: a caller
+/// that waits on a result usually sends the next request within microseconds.
+const SPIN: Duration = Duration::from_micros(50);
+
+#[derive(Default)]
+struct Queue {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    ready: Condvar,
+}
+
 pub struct Worker {
-    tx: Mutex<Option<Sender<Job>>>,
+    shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     pub device: Device,
     pub name: String,
@@ -79,7 +104,8 @@ impl Worker {
     /// Starts a worker thread with a new stream on `device`. Blocks until the stream exists
     /// (a thread spawn and `mx::new_stream`: call it from a dirty scheduler).
     pub fn spawn(device: Device) -> Result<Arc<Worker>, String> {
-        let (tx, rx) = mpsc::channel::<Job>();
+        let shared = Arc::new(Shared { queue: Mutex::new(Queue::default()), ready: Condvar::new() });
+        let queue = shared.clone();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
         let name = format!(
             "emily-{}-{}",
@@ -88,15 +114,10 @@ impl Worker {
         );
         let thread = std::thread::Builder::new()
             .name(name.clone())
-            .spawn(move || run(device, rx, ready_tx))
+            .spawn(move || run(device, &queue, ready_tx))
             .map_err(|e| format!("cannot start worker thread: {e}"))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Arc::new(Worker {
-                tx: Mutex::new(Some(tx)),
-                thread: Mutex::new(Some(thread)),
-                device,
-                name,
-            })),
+            Ok(Ok(())) => Ok(Arc::new(Worker { shared, thread: Mutex::new(Some(thread)), device, name })),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -105,24 +126,42 @@ impl Worker {
         }
     }
 
-    /// Queues `job`. Jobs run in order; a job's panic is caught so the worker lives on.
+    /// Queues a lazy job (building a node, dropping an array): it runs before any later
+    /// job, but nothing waits for it, so the worker is not woken for it alone.
     pub fn submit(&self, job: Job) {
-        if let Some(tx) = self.tx.lock().unwrap().as_ref() {
-            let _ = tx.send(job);
+        self.push(job, false)
+    }
+
+    /// Queues a job someone waits for, and wakes the worker.
+    pub fn submit_now(&self, job: Job) {
+        self.push(job, true)
+    }
+
+    fn push(&self, job: Job, wake: bool) {
+        let mut q = self.shared.queue.lock().unwrap();
+        if q.closed {
+            return;
+        }
+        q.jobs.push_back(job);
+        let wake = wake || q.jobs.len() >= WAKE_AT;
+        drop(q);
+        if wake {
+            self.shared.ready.notify_one();
         }
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        self.tx.lock().unwrap().take();
+        self.shared.queue.lock().unwrap().closed = true;
+        self.shared.ready.notify_one();
         if let Some(handle) = self.thread.lock().unwrap().take() {
             reaper().lock().unwrap().send(handle).ok();
         }
     }
 }
 
-fn run(device: Device, rx: Receiver<Job>, ready: Sender<Result<(), String>>) {
+fn run(device: Device, shared: &Shared, ready: Sender<Result<(), String>>) {
     let stream = match ffi::device_available(device as i32) {
         Ok(true) => ffi::stream_new(device as i32).map_err(|e| e.what().to_string()),
         Ok(false) => Err(format!("device {device:?} is not available in this MLX build")),
@@ -139,12 +178,43 @@ fn run(device: Device, rx: Receiver<Job>, ready: Sender<Result<(), String>>) {
         }
     };
     let mut state = State { stream, arrays: HashMap::new() };
-    while let Ok(job) = rx.recv() {
-        // MLX errors arrive as Results; a panic here would be a bug in Emily, and must
-        // not take the VM down with it.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut state)));
+    let mut batch = VecDeque::new();
+    loop {
+        {
+            let mut q = shared.queue.lock().unwrap();
+            if q.jobs.is_empty() && !q.closed {
+                drop(q);
+                spin(shared);
+                q = shared.queue.lock().unwrap();
+            }
+            while q.jobs.is_empty() && !q.closed {
+                q = shared.ready.wait(q).unwrap();
+            }
+            if q.jobs.is_empty() && q.closed {
+                break;
+            }
+            std::mem::swap(&mut q.jobs, &mut batch);
+        }
+        for job in batch.drain(..) {
+            // MLX errors arrive as Results; a panic here would be a bug in Emily, and must
+            // not take the VM down with it.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut state)));
+        }
     }
     drop(state);
+}
+
+/// Polls the queue for up to `SPIN` before the worker goes to sleep.
+fn spin(shared: &Shared) {
+    let start = Instant::now();
+    while start.elapsed() < SPIN {
+        if let Ok(q) = shared.queue.try_lock() {
+            if !q.jobs.is_empty() || q.closed {
+                return;
+            }
+        }
+        std::hint::spin_loop();
+    }
 }
 
 /// Joins finished worker threads off the schedulers.
