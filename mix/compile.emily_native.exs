@@ -58,6 +58,8 @@ defmodule Mix.Tasks.Compile.EmilyNative do
         File.cp!(Path.join([target_dir, profile, "libemily.#{ext}"]), tmp)
         File.rename!(tmp, lib)
         File.write!(stamp, mlx)
+        # Link _build's priv to priv/ in case it did not exist when Mix laid out _build.
+        Mix.Project.build_structure()
         {:ok, []}
 
       {_, status} ->

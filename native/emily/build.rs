@@ -120,6 +120,11 @@ fn main() {
     } else {
         println!("cargo:rustc-link-lib=dylib=mlx");
     }
+    if target_os == "linux" {
+        // DT_RPATH, not RUNPATH: it also serves the libraries the NIF's own dependencies
+        // need (OpenBLAS's libgfortran, in a bundle that carries them beside the NIF).
+        println!("cargo:rustc-link-arg=-Wl,--disable-new-dtags");
+    }
     println!("cargo:rustc-link-arg=-Wl,-rpath,{rpath}");
     if target_os == "macos" {
         // NIF symbols resolve against the BEAM at load time.
