@@ -1,0 +1,144 @@
+defmodule Emily.Doctor do
+  @moduledoc """
+  What Emily runs on, and a self-check: the engine of `mix emily.doctor`, callable
+  without Mix (`Emily.Doctor.run/1`) where there is none, e.g. in a bundle.
+
+  It reports the MLX version and variant (cpu, cuda13, cuda12, metal), the devices MLX
+  can use, the BLAS that MLX's CPU matmuls go to, then runs on each device a matmul and
+  an elementwise chain, checks their values against ones computed in Elixir, and reports
+  GFLOP/s and GB/s.
+  """
+  alias Emily.Native, as: N
+
+  @doc """
+  Prints the report and runs the self-checks. Returns `:ok` if every check passed,
+  `:error` otherwise. Options: `:size` (matmul size, default 2048).
+  """
+  @spec run(keyword) :: :ok | :error
+  def run(opts \\ []) do
+    size = opts[:size] || 2048
+
+    info(
+      "Emily #{Application.spec(:emily, :vsn)} on MLX #{Emily.mlx_version()} (variant: #{variant()})"
+    )
+
+    info("libmlx: #{loaded("libmlx") || "not loaded?"}")
+
+    info(
+      "devices: #{Enum.map_join(Emily.devices(), ", ", &to_string/1)} (default: #{Emily.default_device()})"
+    )
+
+    info("BLAS for MLX's CPU matmuls: #{blas()}")
+
+    results = for device <- Emily.devices(), do: check(device, size)
+
+    if Enum.all?(List.flatten(results)) do
+      info("all checks passed")
+      :ok
+    else
+      info("a self-check FAILED")
+      :error
+    end
+  end
+
+  defp check(device, n) do
+    stream = Emily.Stream.default(device)
+    info("\n#{device}:")
+
+    # ones(n, n) . b with b[i][j] = j: every row of the product is n * j.
+    a = N.full(stream, {n, n}, 1.0, {:f, 32})
+    b = N.broadcast_to(stream, N.arange(stream, 0, n, 1, {:f, 32}), {n, n})
+    Emily.eval([a, b])
+    warm = N.matmul(stream, a, b)
+    Emily.eval(warm)
+    {us, c} = time(fn -> N.matmul(stream, a, b) end)
+    gflops = 2 * n * n * n / us / 1000
+    row = N.slice(stream, c, [n - 1, 0], [n, n], [1, 1]) |> Emily.to_list()
+    matmul_ok = row == Enum.map(0..(n - 1), &(&1 * n * 1.0))
+    report("matmul #{n}x#{n}x#{n} f32", matmul_ok, "#{round1(gflops)} GFLOP/s")
+
+    # ((x * 3 + 1) - 1) / 3 == x, exactly, for x = 2.5: a chain of four elementwise ops.
+    m = 16 * 1024 * 1024
+    x = N.full(stream, {m}, 2.5, {:f, 32})
+    Emily.eval(x)
+    chain = fn -> elementwise_chain(stream, x) end
+    Emily.eval(chain.())
+    {us2, y} = time(chain)
+    # Each of the four ops reads and writes m floats.
+    gbs = 4 * 2 * m * 4 / us2 / 1000
+    values = Emily.to_list(N.slice(stream, y, [0], [8], [1]))
+    chain_ok = values == List.duplicate(2.5, 8)
+    report("elementwise chain, #{m} f32", chain_ok, "#{round1(gbs)} GB/s")
+    [matmul_ok, chain_ok]
+  end
+
+  defp elementwise_chain(stream, x) do
+    three = N.full(stream, {}, 3.0, {:f, 32})
+    one = N.full(stream, {}, 1.0, {:f, 32})
+
+    x
+    |> then(&N.multiply(stream, &1, three))
+    |> then(&N.add(stream, &1, one))
+    |> then(&N.subtract(stream, &1, one))
+    |> then(&N.divide(stream, &1, three))
+  end
+
+  defp time(fun) do
+    {us, t} =
+      :timer.tc(fn ->
+        t = fun.()
+        Emily.eval(t)
+        t
+      end)
+
+    {max(us, 1), t}
+  end
+
+  defp report(what, ok?, figure) do
+    info("  #{if ok?, do: "ok  ", else: "FAIL"} #{what}: #{figure}")
+  end
+
+  # The wheel libmlx came from, read off the dist-info folder beside `mlx/`.
+  defp variant do
+    with path when is_binary(path) <- loaded("libmlx"),
+         site = path |> Path.dirname() |> Path.join("../..") |> Path.expand(),
+         {:ok, entries} <- File.ls(site),
+         wheel when is_binary(wheel) <-
+           Enum.find(entries, &(&1 =~ ~r/^mlx_(cpu|cuda_1\d|metal)-.*dist-info$/)) do
+      case Regex.run(~r/^mlx_(cpu|cuda_1\d|metal)-/, wheel) do
+        [_, "cuda_" <> v] -> "cuda#{v}"
+        [_, other] -> other
+      end
+    else
+      _ -> "unknown"
+    end
+  end
+
+  defp blas do
+    cond do
+      lib = loaded("libopenblas") ->
+        "OpenBLAS (#{lib}), #{System.get_env("OPENBLAS_NUM_THREADS", "default")} threads"
+
+      match?({:unix, :darwin}, :os.type()) ->
+        "Accelerate"
+
+      true ->
+        "the wheel's bundled reference BLAS (slow: was the NIF linked against OpenBLAS?)"
+    end
+  end
+
+  # The path of a loaded shared library whose name starts with `prefix`.
+  defp loaded(prefix) do
+    with {:ok, maps} <- File.read("/proc/self/maps") do
+      maps
+      |> String.split("\n")
+      |> Enum.map(&(String.split(&1) |> List.last()))
+      |> Enum.find(&(is_binary(&1) and String.starts_with?(Path.basename(&1), prefix)))
+    else
+      _ -> nil
+    end
+  end
+
+  defp round1(x), do: Float.round(x * 1.0, 1)
+  defp info(msg), do: IO.puts(msg)
+end
