@@ -57,7 +57,9 @@ defmodule Emily.Native.ElementwiseTest do
       assert l(N.astype(s(), t([0, 2], {:s, 32}), :bool)) == [false, true]
       assert l(N.astype(s(), t([1, 2], {:u, 8}), {:f, 16})) == [1.0, 2.0]
       assert l(N.astype(s(), t([1.5]), {:c, 64})) == [{1.5, 0.0}]
-      assert Emily.dtype(N.astype(s(), t([1.0]), {:f, 64})) == {:f, 64}
+      # f64 lives on the CPU device only.
+      x = Emily.from_list([1.0], {:f, 32}, device: :cpu)
+      assert l(N.astype(cpu(), x, {:f, 64})) == [1.0]
     end
   end
 

@@ -14,6 +14,9 @@ defmodule Emily.TestCase do
   @doc "The calling process's stream."
   def s, do: Emily.Stream.current()
 
+  @doc "The default CPU stream: for f64 and the ops MLX runs only on the CPU."
+  def cpu, do: Emily.Stream.default(:cpu)
+
   @doc "A tensor from a flat list, with an optional shape."
   def t(list, dtype \\ {:f, 32}, shape \\ nil) do
     Emily.from_list(list, dtype, shape: shape || {length(list)})
