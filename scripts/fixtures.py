@@ -639,11 +639,11 @@ def gen_sort(w):
             rng = w.rng(f"sort-{dt}-{axis}")
             if dt in FLOAT_TYPES:
                 levels = quantize(np.array([-np.inf, -2.5, -0.0, 0.0, 1.0, 3.0, np.inf, np.nan]), dt)
-                x = levels[rng.integers(0, len(levels), size=(5, 24))]
+                x = levels[rng.integers(0, len(levels), size=(4, 16))]
             else:
                 mn, mx = int_range(dt)
                 pool = np.array([mn, mx, 0, 1, 2, mx - 1], dtype=object)
-                x = pool[rng.integers(0, len(pool), size=(5, 24))]
+                x = pool[rng.integers(0, len(pool), size=(4, 16))]
             for desc in (False, True):
                 idx = argsort_ref(x, axis, desc)
                 vals = np.take_along_axis(x, idx, axis=axis)
