@@ -25,6 +25,35 @@ defmodule Emily.TestCase do
   @doc "A tensor's values as a flat list."
   def l(tensor), do: Emily.to_list(tensor)
 
+  @doc "The generated op-table rows of the given families (`optable/<family>.ops`)."
+  def family_rows(families) do
+    for row <- Emily.Native.Table.rows(), row.family in families, row.kind == :generated, do: row
+  end
+
+  @doc """
+  Valid arguments for a table row, except that the first tensor argument is not a tensor,
+  so a call with them must raise `ArgumentError` before any native work.
+  """
+  def bad_args(row) do
+    {args, _} =
+      Enum.map_reduce(row.args, false, fn
+        {_, "tensor"}, false -> {:not_a_tensor, true}
+        {_, "tensor"}, true -> {t([1.0]), true}
+        {_, "tensor?"}, done -> {nil, done}
+        {_, "tensors"}, false -> {[:not_a_tensor], true}
+        {_, "tensors"}, true -> {[t([1.0])], true}
+        {_, "int"}, done -> {0, done}
+        {_, "ints"}, done -> {[0], done}
+        {_, "shape"}, done -> {[1], done}
+        {_, "float"}, done -> {1.0, done}
+        {_, "bool"}, done -> {false, done}
+        {_, "dtype"}, done -> {{:f, 32}, done}
+        {_, "str"}, done -> {"left", done}
+      end)
+
+    args
+  end
+
   @doc "Asserts two flat lists are equal within `tol` (absolute + relative); :nan matches :nan."
   def assert_close(actual, expected, tol \\ 1.0e-5) when is_list(actual) and is_list(expected) do
     ExUnit.Assertions.assert(length(actual) == length(expected),

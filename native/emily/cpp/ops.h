@@ -9,6 +9,13 @@
 
 #include "emily.h"
 
+// Glue of the numeric families (composed ops the tables call by name).
+#include "binary.h"
+#include "reduce.h"
+#include "scan.h"
+#include "sort.h"
+#include "unary.h"
+
 namespace emily {
 
 // Reads one op's arguments in the order the generated Rust NIF wrote them.

@@ -17,7 +17,9 @@ pub mod creation;
 pub mod index;
 pub mod linalg;
 pub mod reduce;
+pub mod scan;
 pub mod shape;
+pub mod sort;
 pub mod unary;
 
 enum Input {

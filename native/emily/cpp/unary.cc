@@ -1,0 +1,124 @@
+// Unary ops composed from MLX ops. Each stays lazy: it only adds graph nodes.
+#include "unary.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace emily {
+using namespace mlx::core;
+
+namespace {
+
+// Types whose transcendental math runs in f32: f16 and bf16 lose too much in the
+// intermediate steps of a composed formula.
+Dtype compute_type(const Dtype& t) {
+  if (t == float64) return float64;
+  return float32;
+}
+
+Dtype unsigned_of(const Dtype& t) {
+  switch (t.size()) {
+    case 1: return uint8;
+    case 2: return uint16;
+    case 4: return uint32;
+    default: return uint64;
+  }
+}
+
+void require_integer(const char* op, const array& a) {
+  if (!issubdtype(a.dtype(), integer)) {
+    throw std::invalid_argument(std::string(op) + " expects an integer array");
+  }
+}
+
+// SWAR population count on an unsigned array of `bits` bits.
+array popcount_unsigned(const array& x0, int bits, const Stream& s) {
+  auto t = x0.dtype();
+  auto c = [&](uint64_t v) { return array(v, t); };
+  auto x = subtract(x0, bitwise_and(right_shift(x0, c(1), s), c(0x5555555555555555ULL), s), s);
+  x = add(bitwise_and(x, c(0x3333333333333333ULL), s),
+          bitwise_and(right_shift(x, c(2), s), c(0x3333333333333333ULL), s), s);
+  x = bitwise_and(add(x, right_shift(x, c(4), s), s), c(0x0f0f0f0f0f0f0f0fULL), s);
+  if (bits > 8) {
+    // Each byte holds its own count; the product sums them into the top byte.
+    x = right_shift(multiply(x, c(0x0101010101010101ULL), s), c(bits - 8), s);
+  }
+  return x;
+}
+
+}  // namespace
+
+array round_half_away(const array& a, const Stream& s) {
+  if (!issubdtype(a.dtype(), floating)) return round(a, 0, s);
+  auto t = trunc(a, s);
+  // a - trunc(a) is exact in floating point, so the halfway test is exact too.
+  auto frac = abs(subtract(a, t, s), s);
+  auto half = array(0.5, a.dtype());
+  return where(greater_equal(frac, half, s), add(t, sign(a, s), s), t, s);
+}
+
+array erfc(const array& a, const Stream& s) {
+  if (issubdtype(a.dtype(), complexfloating)) {
+    throw std::invalid_argument("erfc: complex input is not supported");
+  }
+  auto out_t = issubdtype(a.dtype(), floating) ? a.dtype() : float32;
+  auto ct = compute_type(out_t);
+  auto x = astype(a, ct, s);
+  auto c = [&](double v) { return array(v, ct); };
+  // erfc(30) underflows even float64, so larger magnitudes (and inf) are clamped there
+  // rather than carried into inf - inf below; NaN passes through minimum.
+  auto z = minimum(abs(x, s), c(30.0), s);
+  auto t = divide(c(1.0), add(c(1.0), multiply(c(0.5), z, s), s), s);
+  // Chebyshev fit of erfc (Numerical Recipes' erfcc): fractional error below 1.2e-7.
+  const double k[] = {-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806,
+                      0.27886807,  -1.13520398, 1.48851587, -0.82215223, 0.17087277};
+  auto p = c(k[9]);
+  for (int i = 8; i >= 0; i--) p = add(c(k[i]), multiply(t, p, s), s);
+  // exp(-z^2 + p) as three factors, so no large argument to exp carries a rounding
+  // error: z = zh + (z - zh) with zh on a 1/64 grid below 32 (11 significant bits),
+  // so zh^2 is exact even in float32, and -z^2 = -zh^2 - (z - zh)(z + zh).
+  auto zh = divide(floor(multiply(z, c(64.0), s), s), c(64.0), s);
+  auto e = multiply(multiply(exp(negative(multiply(zh, zh, s), s), s), exp(p, s), s),
+                    exp(negative(multiply(subtract(z, zh, s), add(z, zh, s), s), s), s), s);
+  auto ans = multiply(t, e, s);
+  auto r = where(greater_equal(x, c(0.0), s), ans, subtract(c(2.0), ans, s), s);
+  // NaN fails the comparison above and lands in 2 - ans, which is NaN as well.
+  return astype(r, out_t, s);
+}
+
+array cbrt(const array& a, const Stream& s) {
+  if (issubdtype(a.dtype(), complexfloating)) {
+    throw std::invalid_argument("cbrt: complex input is not supported");
+  }
+  auto out_t = issubdtype(a.dtype(), floating) ? a.dtype() : float32;
+  auto ct = compute_type(out_t);
+  auto x = astype(a, ct, s);
+  auto ax = abs(x, s);
+  auto r = power(ax, array(1.0 / 3.0, ct), s);
+  // One Newton step on r^3 = |x| removes the error of the rounded exponent 1/3; 0, inf
+  // and NaN are already exact and would turn into NaN in it.
+  auto step = add(r, divide(subtract(divide(ax, multiply(r, r, s), s), r, s), array(3.0, ct), s), s);
+  auto finite = logical_and(isfinite(r, s), not_equal(r, array(0.0, ct), s), s);
+  r = where(finite, step, r, s);
+  return astype(where(less(x, array(0.0, ct), s), negative(r, s), r, s), out_t, s);
+}
+
+array population_count(const array& a, const Stream& s) {
+  require_integer("population_count", a);
+  int bits = static_cast<int>(a.dtype().size()) * 8;
+  auto u = astype(a, unsigned_of(a.dtype()), s);
+  return astype(popcount_unsigned(u, bits, s), a.dtype(), s);
+}
+
+array count_leading_zeros(const array& a, const Stream& s) {
+  require_integer("count_leading_zeros", a);
+  int bits = static_cast<int>(a.dtype().size()) * 8;
+  auto ut = unsigned_of(a.dtype());
+  auto x = astype(a, ut, s);
+  // Smear the highest set bit into every lower bit; the zeros left are the leading ones.
+  for (int k = 1; k < bits; k *= 2) x = bitwise_or(x, right_shift(x, array(k, ut), s), s);
+  auto ones = popcount_unsigned(x, bits, s);
+  return astype(subtract(array(bits, ut), ones, s), a.dtype(), s);
+}
+
+}  // namespace emily
