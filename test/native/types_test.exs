@@ -45,6 +45,8 @@ defmodule Emily.Native.TypesTest do
       assert l(N.unpack_bits(s(), t([0x6F], {:u, 8}), 2, true, 4)) == [1, -2, -1, -1]
       # 0xA5 = 0b10100101
       assert l(N.unpack_bits(s(), t([0xA5], {:u, 8}), 1, false, 8)) == [1, 0, 1, 0, 0, 1, 0, 1]
+      # Signed 1-bit values are 0 and -1.
+      assert l(N.unpack_bits(s(), t([0xA5], {:u, 8}), 1, true, 3)) == [-1, 0, -1]
       assert l(N.unpack_bits(s(), packed, 4, false, 0)) == []
     end
 

@@ -56,6 +56,20 @@ defmodule Emily.Native.WindowTest do
       assert l(N.window_max(s(), v, [3], [], [], [], [2])) == [5.0, 6.0]
     end
 
+    test "long windows (over 32 elements on an axis)" do
+      v = t(Enum.to_list(1..40), {:s, 32})
+      # sum(1..33) = 561; each step right adds 33.
+      assert l(N.window_sum(s(), v, [33], [], [], [], [])) == Enum.map(0..7, &(561 + 33 * &1))
+      assert l(N.window_sum(s(), v, [33], [3], [], [], [])) == [561, 660, 759]
+      assert l(N.window_max(s(), v, [35], [], [], [], [])) == [35, 36, 37, 38, 39, 40]
+      # Dilation 1 and 2 mixed over two axes: a {2, 40} tensor, rows 1..40 and 41..80.
+      m = t(Enum.to_list(1..80), {:s, 32}, {2, 40})
+      # Window {2, 20} with dilation 2 on axis 1: columns 0, 2, ..., 38 of both rows.
+      # sum = sum of odd numbers 1..39 (400) + the same + 40 * 20 = 1600.
+      assert l(N.window_sum(s(), m, [2, 20], [], [], [], [1, 2])) == [1600, 1640]
+      assert l(N.window_min(s(), m, [2, 40], [], [], [], [])) == [1]
+    end
+
     test "the dtype is kept (sums wrap like Nx); integer identities" do
       y = N.window_sum(s(), t([200, 100, 1], {:u, 8}), [2], [], [], [], [])
       assert Emily.dtype(y) == {:u, 8}

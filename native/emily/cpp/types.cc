@@ -36,17 +36,24 @@ array unpack_bits(const array& packed, int bits, bool is_signed, int64_t count, 
     fail(std::to_string(bytes) + " bytes do not hold " + std::to_string(count) +
          " values of " + std::to_string(bits) + " bits");
   }
-  array mask(static_cast<uint8_t>((1 << bits) - 1), mx::uint8);
-  array column = mx::reshape(packed, {static_cast<int>(bytes), 1}, s);
-  array v = mx::bitwise_and(mx::right_shift(column, slot_shifts(bits), s), mask, s);
-  v = mx::reshape(v, {static_cast<int>(bytes * per)}, s);
-  v = mx::slice(v, {0}, {static_cast<int>(count)}, s);
-  if (!is_signed) return v;
-  // Two's complement: values with the top bit set are value - 2^bits.
-  array w = mx::astype(v, mx::int8, s);
-  array half(static_cast<int8_t>(1 << (bits - 1)), mx::int8);
-  return mx::where(mx::greater_equal(w, half, s),
-                   mx::subtract(w, array(static_cast<int8_t>(1 << bits), mx::int8), s), w, s);
+  int needed = static_cast<int>((count + per - 1) / per);
+  array column = mx::reshape(mx::slice(packed, {0}, {needed}, s), {needed, 1}, s);
+  array v = column;
+  if (is_signed) {
+    // Each slot moved to the top of an int8, then shifted back down arithmetically:
+    // sign-extended in two passes.
+    std::vector<int8_t> up;
+    for (int j = 0; j < per; j++) up.push_back(static_cast<int8_t>(j * bits));
+    array shifts(up.begin(), {per}, mx::int8);
+    array lift = mx::left_shift(mx::view(column, mx::int8, s), shifts, s);
+    v = mx::right_shift(lift, array(static_cast<int8_t>(8 - bits), mx::int8), s);
+  } else {
+    array mask(static_cast<uint8_t>((1 << bits) - 1), mx::uint8);
+    v = mx::bitwise_and(mx::right_shift(column, slot_shifts(bits), s), mask, s);
+  }
+  v = mx::reshape(v, {needed * per}, s);
+  if (needed * per == count) return v;
+  return mx::slice(v, {0}, {static_cast<int>(count)}, s);
 }
 
 array pack_bits(const array& a, int bits, const Stream& s) {

@@ -1,5 +1,6 @@
-// Window glue (optable/window.ops). MLX has no window op: a window reduction is a pad,
-// an as_strided view of the windows and a reduction over the window axes.
+// Window glue (optable/window.ops). MLX has no window op: a window reduction is a pad
+// and, axis by axis, an elementwise combination of strided slices (or, for long windows,
+// a reduction over an as_strided view).
 #pragma once
 
 #include <string>
