@@ -56,6 +56,7 @@ defmodule Emily.Native do
       cond do
         row.kind == :custom -> ""
         row.outputs == 1 -> " Returns a tensor."
+        is_atom(row.outputs) -> " Returns a list of tensors, as many as `#{row.outputs}` says."
         true -> " Returns a list of #{row.outputs} tensors."
       end
 

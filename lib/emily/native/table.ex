@@ -28,6 +28,14 @@ defmodule Emily.Native.Table do
     |> Enum.map(fn {line, n} -> parse_row(String.trim(line), family, "#{file}:#{n}") end)
   end
 
+  # A number, or the name of the argument that gives the count at call time.
+  defp output_count(n) do
+    case Integer.parse(n) do
+      {count, ""} -> count
+      _ -> String.to_atom(n)
+    end
+  end
+
   defp parse_row(line, family, where) do
     {head, kind, expr} =
       case String.split(line, "=", parts: 2) do
@@ -37,7 +45,7 @@ defmodule Emily.Native.Table do
 
     {head, outputs} =
       case String.split(head, "->") do
-        [h, n] -> {h, String.to_integer(String.trim(n))}
+        [h, n] -> {h, output_count(String.trim(n))}
         [h] -> {h, 1}
       end
 

@@ -29,14 +29,22 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
             params.push(format!("{n}: {ty}"));
             let _ = write!(pushes, "\n    {push}");
         }
-        let ret = if op.outputs == 1 { "crate::tensor::TensorArg" } else { "Vec<crate::tensor::TensorArg>" };
-        let submit = if op.outputs == 1 { "submit_one()" } else { "submit_many()" };
+        let single = op.outputs == 1 && op.outputs_from.is_none();
+        let ret = if single { "crate::tensor::TensorArg" } else { "Vec<crate::tensor::TensorArg>" };
+        let submit = if single { "submit_one()" } else { "submit_many()" };
+        let outs = match &op.outputs_from {
+            None => op.outputs.to_string(),
+            Some(from) => {
+                let arg = op.args.iter().find(|a| &a.name == from).expect("checked by the parser");
+                let n = if arg.ty == ArgType::Int { from.clone() } else { format!("{from}.len() as i64") };
+                format!("crate::ops::output_count(\"{}\", {n})?", op.name)
+            }
+        };
         let _ = write!(
             s,
             "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(&stream, {id}, \"{name}\", {outs});{pushes}\n    call.{submit}\n}}\n",
             name = op.name,
             params = params.join(", "),
-            outs = op.outputs,
         );
     }
     s

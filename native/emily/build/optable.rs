@@ -9,6 +9,10 @@
 //! name  arg:type ...          custom                 # hand-written NIF in src/
 //! ```
 //!
+//! `-> N` is a fixed output count, or the name of an argument that gives it at call time:
+//! an `int` (its value), or an `ints` or `tensors` list (its length), e.g. `split` into
+//! `-> sizes` parts.
+//!
 //! In an expression row the NIF takes the stream first, then the listed args; the C++
 //! expression sees every arg under its own name, `s` for the stream, and `using namespace
 //! mlx::core`. It returns an `array` or a `std::vector<array>` of N outputs.
@@ -68,7 +72,9 @@ pub struct Op {
     pub family: String,
     pub name: String,
     pub args: Vec<Arg>,
+    /// The fixed output count; 0 when `outputs_from` names the argument that gives it.
     pub outputs: usize,
+    pub outputs_from: Option<String>,
     pub body: Body,
     pub line: usize,
 }
@@ -89,9 +95,12 @@ pub fn parse(family: &str, text: &str) -> Result<Vec<Op>, String> {
                 None => return Err(err("expected `= expr` or `custom`")),
             },
         };
-        let (head, outputs) = match head.split_once("->") {
-            Some((h, n)) => (h.trim(), n.trim().parse().map_err(|_| err("bad output count"))?),
-            None => (head, 1),
+        let (head, outputs, outputs_from) = match head.split_once("->") {
+            Some((h, n)) => match n.trim().parse() {
+                Ok(n) => (h.trim(), n, None),
+                Err(_) => (h.trim(), 0, Some(n.trim().to_string())),
+            },
+            None => (head, 1, None),
         };
         let mut words = head.split_whitespace();
         let name = words.next().ok_or_else(|| err("missing name"))?.to_string();
@@ -107,7 +116,13 @@ pub fn parse(family: &str, text: &str) -> Result<Vec<Op>, String> {
             }
             args.push(Arg { name: n.to_string(), ty });
         }
-        ops.push(Op { family: family.to_string(), name, args, outputs, body, line: i + 1 });
+        if let Some(from) = &outputs_from {
+            let counts = |a: &Arg| matches!(a.ty, ArgType::Int | ArgType::Ints | ArgType::Tensors);
+            if !args.iter().any(|a| &a.name == from && counts(a)) || matches!(body, Body::Custom) {
+                return Err(err("`-> name` must name an int, ints or tensors argument"));
+            }
+        }
+        ops.push(Op { family: family.to_string(), name, args, outputs, outputs_from, body, line: i + 1 });
     }
     Ok(ops)
 }

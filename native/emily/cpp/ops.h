@@ -8,6 +8,10 @@
 #include <utility>
 
 #include "emily.h"
+#include "index.h"
+#include "shape.h"
+#include "types.h"
+#include "window.h"
 
 // Glue of the numeric families (composed ops the tables call by name).
 #include "binary.h"

@@ -28,6 +28,23 @@ fn parses_rows() {
 }
 
 #[test]
+fn output_count_from_an_argument() {
+    let ops = parse(
+        "t",
+        "split a:tensor sizes:ints axis:int -> sizes = f(a, sizes, axis, s)\n\
+         mesh ts:tensors -> ts = g(ts, s)\nparts a:tensor n:int -> n = h(a, n, s)\n",
+    )
+    .unwrap();
+    assert_eq!(ops[0].outputs_from.as_deref(), Some("sizes"));
+    assert_eq!(ops[1].outputs_from.as_deref(), Some("ts"));
+    assert_eq!(ops[2].outputs_from.as_deref(), Some("n"));
+    assert_eq!(ops[2].outputs, 0);
+    // Only int, ints and tensors arguments can give a count.
+    assert!(parse("t", "f a:tensor x:float -> x = f(a, x, s)").is_err());
+    assert!(parse("t", "f a:tensor -> b = f(a, s)").is_err());
+}
+
+#[test]
 fn rejects_bad_rows() {
     assert!(parse("t", "Bad a:tensor = x").is_err());
     assert!(parse("t", "f a:wat = x").is_err());

@@ -20,7 +20,19 @@ pub mod reduce;
 pub mod scan;
 pub mod shape;
 pub mod sort;
+pub mod types;
 pub mod unary;
+pub mod window;
+
+/// The output count of a row whose count comes from an argument (`-> name` in the table).
+pub fn output_count(name: &str, n: i64) -> NifResult<usize> {
+    // A bound keeps a bad argument from allocating handles without end.
+    if (1..=65536).contains(&n) {
+        Ok(n as usize)
+    } else {
+        Err(argument_error(format!("{name}: expected 1 to 65536 outputs, got {n}")))
+    }
+}
 
 enum Input {
     /// A tensor held by the call's own worker.

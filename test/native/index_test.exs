@@ -1,0 +1,337 @@
+defmodule Emily.Native.IndexTest do
+  use Emily.TestCase, async: true
+
+  setup do
+    # [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    {:ok, x: t(Enum.to_list(0..11), {:s, 32}, {3, 4})}
+  end
+
+  defp i32(list, shape \\ nil), do: t(list, {:s, 32}, shape)
+
+  # The stream still evaluates after an error.
+  defp alive!, do: assert(l(N.add(s(), t([1.0]), t([2.0]))) == [3.0])
+
+  describe "slice_dynamic" do
+    test "in range", %{x: x} do
+      assert l(N.slice_dynamic(s(), x, i32([1, 1]), [0, 1], {2, 3}, [])) == [5, 6, 7, 9, 10, 11]
+      # Unlisted axes start at 0.
+      assert l(N.slice_dynamic(s(), x, i32([2]), [1], {3, 2}, [])) == [2, 3, 6, 7, 10, 11]
+      # A scalar start for one axis.
+      assert l(N.slice_dynamic(s(), x, t([1], {:s, 32}, {}), [0], {1, 4}, [])) == [4, 5, 6, 7]
+    end
+
+    test "clamps starts so the slice fits, like Nx", %{x: x} do
+      # start = min(max(start, 0), dim - size): {2, 3} -> {1, 2}; {-5, -1} -> {0, 0}.
+      assert l(N.slice_dynamic(s(), x, i32([2, 3]), [0, 1], {2, 2}, [])) == [6, 7, 10, 11]
+      assert l(N.slice_dynamic(s(), x, t([-5, -1], {:s, 64}), [0, 1], {2, 2}, [])) == [0, 1, 4, 5]
+
+      assert l(N.slice_dynamic(s(), x, t([200, 9], {:u, 8}), [0, 1], {1, 4}, [])) == [
+               8,
+               9,
+               10,
+               11
+             ]
+
+      assert l(N.slice_dynamic(s(), x, t([1_000_000], {:s, 64}), [1], {3, 1}, [])) == [3, 7, 11]
+    end
+
+    test "with strides", %{x: x} do
+      # Rows 0..2 step 2, columns 1..3 step 2 after clamping start 3 -> 1.
+      assert l(N.slice_dynamic(s(), x, i32([0, 3]), [0, 1], {3, 3}, [2, 2])) == [1, 3, 9, 11]
+    end
+
+    test "errors", %{x: x} do
+      assert_raise Emily.Error, ~r/slice_dynamic.*does not fit/, fn ->
+        l(N.slice_dynamic(s(), x, i32([0]), [0], {4, 4}, []))
+      end
+
+      assert_raise Emily.Error, ~r/integer tensor/, fn ->
+        l(N.slice_dynamic(s(), x, t([0.0]), [0], {1, 4}, []))
+      end
+
+      assert_raise Emily.Error, ~r/axis 2 is out of range/, fn ->
+        l(N.slice_dynamic(s(), x, i32([0]), [2], {1, 4}, []))
+      end
+
+      assert_raise Emily.Error, ~r/2 start indices for 1 axes/, fn ->
+        l(N.slice_dynamic(s(), x, i32([0, 0]), [0], {1, 4}, []))
+      end
+
+      assert_raise ArgumentError, fn -> N.slice_dynamic(s(), x, :nope, [0], {1, 4}, []) end
+      alive!()
+    end
+  end
+
+  describe "slice_update" do
+    test "static, with strides", %{x: x} do
+      u = i32([-1, -2], {1, 2})
+
+      assert l(N.slice_update(s(), x, u, [1, 1], [2, 3], [1, 1])) ==
+               [0, 1, 2, 3, 4, -1, -2, 7, 8, 9, 10, 11]
+
+      assert l(N.slice_update(s(), x, u, [2, 0], [3, 4], [1, 2])) ==
+               [0, 1, 2, 3, 4, 5, 6, 7, -1, 9, -2, 11]
+    end
+
+    test "dynamic, clamped like Nx", %{x: x} do
+      u = i32([-1, -2, -3, -4], {2, 2})
+
+      assert l(N.slice_update_dynamic(s(), x, u, i32([0, 1]), [0, 1])) ==
+               [0, -1, -2, 3, 4, -3, -4, 7, 8, 9, 10, 11]
+
+      # {5, 9} clamps to {1, 2}.
+      assert l(N.slice_update_dynamic(s(), x, u, i32([5, 9]), [0, 1])) ==
+               [0, 1, 2, 3, 4, 5, -1, -2, 8, 9, -3, -4]
+
+      # Only axis 1 listed: axis 0 starts at 0; -7 clamps to 0.
+      assert l(N.slice_update_dynamic(s(), x, u, i32([-7]), [1])) ==
+               [-1, -2, 2, 3, -3, -4, 6, 7, 8, 9, 10, 11]
+    end
+
+    test "errors", %{x: x} do
+      assert_raise Emily.Error, ~r/slice_update/, fn ->
+        l(N.slice_update(s(), x, i32([1, 2, 3], {1, 3}), [0, 0], [1, 2], [1, 1]))
+      end
+
+      assert_raise Emily.Error, ~r/does not fit/, fn ->
+        l(N.slice_update_dynamic(s(), x, i32(Enum.to_list(1..5), {1, 5}), i32([0]), [0]))
+      end
+
+      assert_raise Emily.Error, ~r/differ in rank/, fn ->
+        l(N.slice_update_dynamic(s(), x, i32([1, 2]), i32([0]), [0]))
+      end
+
+      alive!()
+    end
+  end
+
+  describe "gather" do
+    test "full indices", %{x: x} do
+      idx = i32([1, 2, 0, 0, 2, 3], {3, 2})
+      y = N.gather(s(), x, idx, [0, 1])
+      assert Emily.shape(y) == {3}
+      assert l(y) == [6, 0, 11]
+    end
+
+    test "partial indices keep the other axes; batch shape is kept", %{x: x} do
+      # Rows 2 and 0: the result is {2, 4}.
+      assert l(N.gather(s(), x, i32([2, 0], {2, 1}), [0])) == [8, 9, 10, 11, 0, 1, 2, 3]
+      # Columns 3 and 1 (axes: [1]): each index picks a column of 3 values.
+      y = N.gather(s(), x, i32([3, 1], {2, 1}), [1])
+      assert Emily.shape(y) == {2, 3}
+      assert l(y) == [3, 7, 11, 1, 5, 9]
+      # A {2, 2, 2} batch of full indices gives {2, 2}.
+      z =
+        N.gather(s(), x, i32([0, 0, 0, 1, 1, 0, 1, 1, 2, 2, 2, 3, 1, 3, 0, 3], {2, 2, 2, 2}), [
+          0,
+          1
+        ])
+
+      assert Emily.shape(z) == {2, 2, 2}
+      assert l(z) == [0, 1, 4, 5, 10, 11, 7, 3]
+      # Axes in the other order address (column, row).
+      assert l(N.gather(s(), x, i32([3, 0, 0, 2], {2, 2}), [1, 0])) == [3, 8]
+    end
+
+    test "out-of-range indices are clamped (as XLA does)", %{x: x} do
+      assert l(N.gather(s(), x, i32([9, -4, -1, 7], {2, 2}), [0, 1])) == [8, 3]
+      assert l(N.gather(s(), x, t([255, 1], {:u, 8}, {2, 1}), [0])) == [8, 9, 10, 11, 4, 5, 6, 7]
+    end
+
+    test "errors", %{x: x} do
+      assert_raise Emily.Error, ~r/address 2 axes, but 1 axes/, fn ->
+        l(N.gather(s(), x, i32([0, 0], {1, 2}), [0]))
+      end
+
+      assert_raise Emily.Error, ~r/integer tensor/, fn ->
+        l(N.gather(s(), x, t([0.0, 1.0], {:f, 32}, {1, 2}), [0, 1]))
+      end
+
+      assert_raise Emily.Error, ~r/appears twice/, fn ->
+        l(N.gather(s(), x, i32([0, 0], {1, 2}), [0, 0]))
+      end
+
+      alive!()
+    end
+  end
+
+  describe "take" do
+    test "along an axis", %{x: x} do
+      y = N.take(s(), x, i32([2, 0, 2], {3}), 0)
+      assert Emily.shape(y) == {3, 4}
+      assert l(y) == [8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11]
+      z = N.take(s(), x, i32([3, 0, 1, 1], {2, 2}), 1)
+      assert Emily.shape(z) == {3, 2, 2}
+      assert l(z) == [3, 0, 1, 1, 7, 4, 5, 5, 11, 8, 9, 9]
+      assert l(N.take(s(), x, i32([1]), -1)) == [1, 5, 9]
+    end
+
+    test "flat", %{x: x} do
+      y = N.take_flat(s(), x, i32([11, 0, 5, 6], {2, 2}))
+      assert Emily.shape(y) == {2, 2}
+      assert l(y) == [11, 0, 5, 6]
+    end
+
+    test "clamps out-of-range indices", %{x: x} do
+      assert l(N.take(s(), x, i32([-1, 5]), 1)) == [0, 3, 4, 7, 8, 11]
+      assert l(N.take_flat(s(), x, t([-3, 100], {:s, 64}))) == [0, 11]
+    end
+
+    test "errors", %{x: x} do
+      assert_raise Emily.Error, ~r/take: axis 2 is out of range/, fn ->
+        l(N.take(s(), x, i32([0]), 2))
+      end
+
+      assert_raise Emily.Error, ~r/integer tensor/, fn -> l(N.take_flat(s(), x, t([0.5]))) end
+      assert_raise ArgumentError, fn -> N.take(s(), x, i32([0]), :zero) end
+      alive!()
+    end
+  end
+
+  describe "take_along_axis / put_along_axis / add_along_axis" do
+    test "take_along_axis", %{x: x} do
+      idx = i32([3, 0, 1, 1, 2, 2], {3, 2})
+      assert l(N.take_along_axis(s(), x, idx, 1)) == [3, 0, 5, 5, 10, 10]
+      idx0 = i32([2, 1, 0, 0], {1, 4})
+      assert l(N.take_along_axis(s(), x, idx0, 0)) == [8, 5, 2, 3]
+      # Clamped: 7 -> 3, -2 -> 0.
+      assert l(N.take_along_axis(s(), x, i32([7, -2, 0, 0, 0, 0], {3, 2}), 1)) ==
+               [3, 0, 4, 4, 8, 8]
+    end
+
+    test "put_along_axis: writes, drops out-of-range", %{x: x} do
+      idx = i32([0, 3, 9, 1, -1, 2], {3, 2})
+      v = i32([-1, -2, -3, -4, -5, -6], {3, 2})
+
+      assert l(N.put_along_axis(s(), x, idx, v, 1)) ==
+               [-1, 1, 2, -2, 4, -4, 6, 7, 8, 9, -6, 11]
+    end
+
+    test "add_along_axis: repeated indices add up, out-of-range are dropped", %{x: x} do
+      idx = i32([1, 1, 3, 0, 4, 0], {3, 2})
+      v = i32([10, 20, 30, 40, 50, 60], {3, 2})
+
+      assert l(N.add_along_axis(s(), x, idx, v, 1)) ==
+               [0, 31, 2, 3, 44, 5, 6, 37, 68, 9, 10, 11]
+    end
+
+    test "errors", %{x: x} do
+      assert_raise Emily.Error, ~r/differ in rank/, fn ->
+        l(N.take_along_axis(s(), x, i32([0]), 1))
+      end
+
+      assert_raise Emily.Error, ~r/put_along_axis: axis 5/, fn ->
+        l(N.put_along_axis(s(), x, i32([0], {1, 1}), i32([0], {1, 1}), 5))
+      end
+
+      assert_raise Emily.Error, ~r/integer tensor/, fn ->
+        l(N.add_along_axis(s(), x, t([0.0], {:f, 32}, {1, 1}), i32([0], {1, 1}), 0))
+      end
+
+      alive!()
+    end
+  end
+
+  describe "scatter (Nx indexed_put) and scatter_add (Nx indexed_add)" do
+    test "scalar updates at full indices" do
+      # Nx's doctest: iota({1, 2, 3}), indices [[0,0,0], [0,1,1], [0,0,2]], updates [1, 3, -2].
+      target = i32(Enum.to_list(0..5), {1, 2, 3})
+      idx = i32([0, 0, 0, 0, 1, 1, 0, 0, 2], {3, 3})
+      assert l(N.scatter(s(), target, idx, i32([1, 3, -2]), [0, 1, 2])) == [1, 1, -2, 3, 3, 5]
+
+      # Nx's indexed_add doctest: repeated [0, 0, 0] adds both.
+      idx = i32([0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 2, 0, 1, 2], {5, 3})
+      upd = i32([1, 3, 1, -2, 5])
+      assert l(N.scatter_add(s(), target, idx, upd, [0, 1, 2])) == [2, 1, 0, 3, 7, 10]
+    end
+
+    test "slices of the other axes, and the axes option" do
+      # Nx's doctest: iota({1, 3, 2}), indices [[0, 0], [0, 2]], updates [[0, 10], [40, 50]].
+      target = i32(Enum.to_list(0..5), {1, 3, 2})
+      idx = i32([0, 0, 0, 2], {2, 2})
+      upd = i32([0, 10, 40, 50], {2, 2})
+      assert l(N.scatter(s(), target, idx, upd, [0, 1])) == [0, 10, 2, 3, 40, 50]
+
+      # axes: [0, 2] on iota({1, 2, 3}): updates run along axis 1.
+      target = i32(Enum.to_list(0..5), {1, 2, 3})
+      upd = i32([0, 30, 20, 50], {2, 2})
+      assert l(N.scatter(s(), target, idx, upd, [0, 2])) == [0, 1, 20, 30, 4, 50]
+    end
+
+    test "update slices smaller than the target start at 0", %{x: x} do
+      # Row 1 gets a 2-long update in its first two columns.
+      assert l(N.scatter(s(), x, i32([1], {1, 1}), i32([-1, -2], {1, 2}), [0])) ==
+               [0, 1, 2, 3, -1, -2, 6, 7, 8, 9, 10, 11]
+    end
+
+    test "repeated indices: add sums all, put keeps one (the last, on the CPU)" do
+      z = t([0, 0, 0, 0], {:s, 32})
+      idx = i32([1, 3, 1, 1], {4, 1})
+      upd = i32([10, 20, 30, 40])
+      assert l(N.scatter_add(s(), z, idx, upd, [0])) == [0, 80, 0, 20]
+      # Nx leaves the winner of a repeated put unspecified; MLX's CPU kernel applies the
+      # updates in order.
+      assert l(N.scatter(s(), z, idx, upd, [0])) == [0, 40, 0, 20]
+    end
+
+    test "max / min / prod" do
+      z = t([5.0, 5.0, 5.0])
+      idx = i32([0, 0, 2, 1], {4, 1})
+      upd = t([7.0, 9.0, 1.0, 2.0])
+      assert l(N.scatter_max(s(), z, idx, upd, [0])) == [9.0, 5.0, 5.0]
+      assert l(N.scatter_min(s(), z, idx, upd, [0])) == [5.0, 2.0, 1.0]
+      assert l(N.scatter_prod(s(), z, idx, upd, [0])) == [315.0, 10.0, 5.0]
+    end
+
+    test "updates are cast to the target's dtype" do
+      assert l(N.scatter_add(s(), t([1, 1], {:s, 32}), i32([1], {1, 1}), t([2.7]), [0])) == [1, 3]
+    end
+
+    test "out-of-range indices are dropped", %{x: x} do
+      idx = i32([0, 0, 3, 0, -1, 2, 2, 4, 2, 3], {5, 2})
+      upd = i32([100, 200, 300, 400, 500])
+      assert l(N.scatter(s(), x, idx, upd, [0, 1])) == [100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 500]
+
+      assert l(N.scatter_add(s(), x, idx, upd, [0, 1])) ==
+               [100, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 511]
+
+      assert l(N.scatter_max(s(), x, idx, i32([-1, 50, 50, 50, 50]), [0, 1])) ==
+               [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 50]
+
+      assert l(N.scatter_min(s(), t([1.0, 2.0]), i32([5, 1], {2, 1}), t([-9.0, 0.5]), [0])) ==
+               [1.0, 0.5]
+
+      assert l(N.scatter_prod(s(), t([1.0, 2.0]), i32([-1, 1], {2, 1}), t([0.0, 3.0]), [0])) ==
+               [1.0, 6.0]
+    end
+
+    test "no indices leaves the target", %{x: x} do
+      assert l(N.scatter(s(), x, t([], {:s, 32}, {0, 2}), t([], {:s, 32}, {0}), [0, 1])) ==
+               Enum.to_list(0..11)
+    end
+
+    test "errors", %{x: x} do
+      assert_raise Emily.Error, ~r/indices must have shape \{n, k\}/, fn ->
+        l(N.scatter(s(), x, i32([0, 0]), i32([1]), [0, 1]))
+      end
+
+      assert_raise Emily.Error, ~r/updates \{3\} do not match indices \{2, 2\}/, fn ->
+        l(N.scatter_add(s(), x, i32([0, 0, 1, 1], {2, 2}), i32([1, 2, 3]), [0, 1]))
+      end
+
+      assert_raise Emily.Error, ~r/do not fit/, fn ->
+        l(N.scatter(s(), x, i32([0], {1, 1}), i32([1, 2, 3, 4, 5], {1, 5}), [0]))
+      end
+
+      assert_raise Emily.Error, ~r/integer tensor/, fn ->
+        l(N.scatter_max(s(), x, t([0.0, 0.0], {:f, 32}, {1, 2}), i32([1]), [0, 1]))
+      end
+
+      assert_raise Emily.Error, ~r/axis -3 is out of range/, fn ->
+        l(N.scatter_min(s(), x, i32([0, 0], {1, 2}), i32([1]), [0, -3]))
+      end
+
+      alive!()
+    end
+  end
+end
