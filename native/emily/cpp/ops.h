@@ -8,6 +8,9 @@
 #include <utility>
 
 #include "emily.h"
+// Per-family glue used by table expressions.
+#include "conv.h"
+#include "linalg.h"
 
 namespace emily {
 

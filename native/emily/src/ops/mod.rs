@@ -13,6 +13,7 @@ use rustler::NifResult;
 use std::sync::Arc;
 
 pub mod binary;
+pub mod conv;
 pub mod creation;
 pub mod index;
 pub mod linalg;
