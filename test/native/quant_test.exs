@@ -159,8 +159,54 @@ defmodule Emily.Native.QuantTest do
       assert l(back) == l(w)
     end
 
-    # Bounds per group, amax = max |w| of the group: e2m1 keeps amax / scale in (3, 6], so
-    # the error is at most one scale unit, <= amax / 4; E4M3 has 3 mantissa bits: <= amax / 16.
+    test "nvfp4's global scale (the tensor's amax) keeps tiny weights representable" do
+      flat = Enum.map(data(2, 64), &(&1 * 1.0e-5))
+      w = t(flat, {:f, 32}, {2, 64})
+      amax = flat |> Enum.map(&abs/1) |> Enum.max()
+      # without it, amax / 6 underflows E4M3: every scale is 0 and so is every value
+      [wq, sc] = N.quantize_mode(s(), w, 16, 4, "nvfp4", nil)
+      assert Enum.uniq(l(sc)) == [0]
+      assert Enum.uniq(l(N.dequantize(s(), wq, sc, nil, 16, 4, "nvfp4", nil, {:f, 32}))) == [0.0]
+      # with it, scales are amax_g / 6 * (448 * 6 / amax): the largest group gets 448 (0x7E)
+      g = t([amax], {:f, 32}, {})
+      [wq, sc] = N.quantize_mode(s(), w, 16, 4, "nvfp4", g)
+      assert Enum.max(l(sc)) == 0x7E
+      back = l(N.dequantize(s(), wq, sc, nil, 16, 4, "nvfp4", g, {:f, 32}))
+
+      for {wg, dg} <- Enum.zip(groups(flat, 16), groups(back, 16)) do
+        gmax = wg |> Enum.map(&abs/1) |> Enum.max()
+        assert Enum.zip_with(wg, dg, &abs(&1 - &2)) |> Enum.max() <= gmax / 4
+      end
+    end
+
+    test "the shared power-of-two scale rounds up, so nothing clips" do
+      # amax 600: 600 / 448 needs 2^1 (byte 128); 600 / 2 = 300 -> nearest E4M3 288 -> 576
+      w = t([600.0 | List.duplicate(1.0, 31)], {:f, 32}, {1, 32})
+      [wq, sc] = N.quantize_mode(s(), w, 32, 8, "mxfp8", nil)
+      assert l(sc) == [128]
+
+      assert Enum.take(l(N.dequantize(s(), wq, sc, nil, 32, 8, "mxfp8", nil, {:f, 32})), 2) == [
+               576.0,
+               1.0
+             ]
+
+      # amax 8.4: 8.4 / 6 needs 2^1; 4.2 -> nearest e2m1 4 -> 8
+      w = t([8.4 | List.duplicate(1.0, 31)], {:f, 32}, {1, 32})
+      [wq, sc] = N.quantize_mode(s(), w, 32, 4, "mxfp4", nil)
+      assert l(sc) == [128]
+
+      assert Enum.take(l(N.dequantize(s(), wq, sc, nil, 32, 4, "mxfp4", nil, {:f, 32})), 2) == [
+               8.0,
+               1.0
+             ]
+    end
+
+    # Bounds per group, amax = max |w| of the group. mxfp4: the scale is amax / 6 rounded
+    # up to a power of two, so amax / scale is in (3, 6] and the error is at most one
+    # scale unit (half the widest e2m1 gap, 4 to 6), <= amax / 4 (values above 4 units
+    # need amax >= 4 units; below, gaps are <= 1 unit). nvfp4: the scale is amax / 6 in
+    # E4M3 (within 1/16), the same bound holds. mxfp8: E4M3 has 3 mantissa bits, so an
+    # element is off by at most 1/16 of itself, <= amax / 16.
     test "round trips within amax / 4 (fp4) and amax / 16 (fp8)" do
       flat = data(8, 256)
       w = t(flat, {:f, 32}, {8, 256})
