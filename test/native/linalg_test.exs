@@ -1,65 +1,552 @@
 defmodule Emily.Native.LinalgTest do
   use Emily.TestCase, async: true
 
-  test "matmul f32" do
-    a = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
-    b = t([7.0, 8.0, 9.0, 10.0, 11.0, 12.0], {:f, 32}, {3, 2})
-    c = N.matmul(s(), a, b)
-    assert Emily.shape(c) == {2, 2}
-    assert l(c) == [58.0, 64.0, 139.0, 154.0]
+  # MLX's linalg runs on a CPU stream only; these tests pin it.
+
+  # Row-major nested lists, for oracles computed in plain Elixir.
+  defp rows(flat, n), do: Enum.chunk_every(flat, n)
+  defp mm(a, b), do: for(r <- a, do: for(c <- transpose(b), do: dotv(r, c)))
+  defp transpose(m), do: Enum.zip_with(m, & &1)
+  defp dotv(x, y), do: Enum.zip_with(x, y, &(&1 * &2)) |> Enum.sum()
+
+  defp ident(n),
+    do: for(i <- 0..(n - 1), do: for(j <- 0..(n - 1), do: if(i == j, do: 1.0, else: 0.0)))
+
+  # The stream keeps working after an error.
+  defp assert_alive(stream) do
+    assert l(N.add(stream, t([1.0]), t([2.0]))) == [3.0]
   end
 
-  test "batched matmul broadcasts batch dims" do
-    a = t(Enum.map(1..8, &(&1 * 1.0)), {:f, 32}, {2, 2, 2})
-    i = t([1.0, 0.0, 0.0, 1.0], {:f, 32}, {2, 2})
-    assert l(N.matmul(s(), a, i)) == Enum.map(1..8, &(&1 * 1.0))
+  defp assert_error(fun, pattern) do
+    e = assert_raise Emily.Error, fun
+    assert e.message =~ pattern
+    assert_alive(cpu())
+    e
   end
 
-  test "f16, bf16 matmul" do
-    for dt <- [{:f, 16}, {:bf, 16}] do
-      a = t([1.0, 2.0, 3.0, 4.0], dt, {2, 2})
-      c = N.matmul(s(), a, a)
-      assert Emily.dtype(c) == dt
+  describe "matmul" do
+    test "f32" do
+      a = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
+      b = t([7.0, 8.0, 9.0, 10.0, 11.0, 12.0], {:f, 32}, {3, 2})
+      c = N.matmul(s(), a, b)
+      assert Emily.shape(c) == {2, 2}
+      assert l(c) == [58.0, 64.0, 139.0, 154.0]
+    end
+
+    test "batched matmul broadcasts batch dims" do
+      a = t(Enum.map(1..8, &(&1 * 1.0)), {:f, 32}, {2, 2, 2})
+      i = t([1.0, 0.0, 0.0, 1.0], {:f, 32}, {2, 2})
+      assert l(N.matmul(s(), a, i)) == Enum.map(1..8, &(&1 * 1.0))
+    end
+
+    test "f16, bf16 matmul" do
+      for dt <- [{:f, 16}, {:bf, 16}] do
+        a = t([1.0, 2.0, 3.0, 4.0], dt, {2, 2})
+        c = N.matmul(s(), a, a)
+        assert Emily.dtype(c) == dt
+        assert l(c) == [7.0, 10.0, 15.0, 22.0]
+      end
+    end
+
+    test "f64 matmul on the CPU" do
+      a = Emily.from_list([1.0, 2.0, 3.0, 4.0], {:f, 64}, shape: {2, 2}, device: :cpu)
+      c = N.matmul(cpu(), a, a)
+      assert Emily.dtype(c) == {:f, 64}
       assert l(c) == [7.0, 10.0, 15.0, 22.0]
     end
-  end
 
-  test "f64 matmul on the CPU" do
-    a = Emily.from_list([1.0, 2.0, 3.0, 4.0], {:f, 64}, shape: {2, 2}, device: :cpu)
-    c = N.matmul(cpu(), a, a)
-    assert Emily.dtype(c) == {:f, 64}
-    assert l(c) == [7.0, 10.0, 15.0, 22.0]
-  end
+    @tag :gpu
+    test "f64 on the GPU is a clear error, and the GPU stream goes on" do
+      gpu = Emily.Stream.default(:gpu)
+      a = Emily.from_list([1.0, 2.0], {:f, 64}, stream: gpu)
 
-  @tag :gpu
-  test "f64 on the GPU is a clear error, and the GPU stream goes on" do
-    gpu = Emily.Stream.default(:gpu)
-    a = Emily.from_list([1.0, 2.0], {:f, 64}, stream: gpu)
-
-    assert_raise Emily.Error, ~r/float64 is not supported on the GPU/, fn ->
-      l(N.multiply(gpu, a, a))
-    end
-
-    b = Emily.from_list([1.0, 2.0], {:f, 32}, stream: gpu)
-    assert l(N.multiply(gpu, b, b)) == [1.0, 4.0]
-  end
-
-  test "a large matmul checked against Elixir arithmetic" do
-    n = 128
-    a = N.reshape(s(), N.arange(s(), 0, n * n, 1, {:f, 32}), {n, n})
-    b = N.full(s(), {n, 1}, 1.0, {:f, 32})
-    # Row i of a is i*n .. i*n + n - 1, so its sum is n*i*n + n(n-1)/2.
-    expected = for i <- 0..(n - 1), do: n * i * n + div(n * (n - 1), 2) * 1.0
-    assert_close(l(N.matmul(s(), a, b)), expected, 1.0e-6)
-  end
-
-  test "mismatched inner dims raise Emily.Error" do
-    e =
-      assert_raise Emily.Error, fn ->
-        l(N.matmul(s(), t([1.0, 2.0], {:f, 32}, {1, 2}), t([1.0], {:f, 32}, {1, 1})))
+      assert_raise Emily.Error, ~r/float64 is not supported on the GPU/, fn ->
+        l(N.multiply(gpu, a, a))
       end
 
-    assert e.message =~ "matmul:"
-    assert e.message =~ "f32[1x2], f32[1x1]"
+      b = Emily.from_list([1.0, 2.0], {:f, 32}, stream: gpu)
+      assert l(N.multiply(gpu, b, b)) == [1.0, 4.0]
+    end
+
+    test "a large matmul checked against Elixir arithmetic" do
+      n = 128
+      a = N.reshape(s(), N.arange(s(), 0, n * n, 1, {:f, 32}), {n, n})
+      b = N.full(s(), {n, 1}, 1.0, {:f, 32})
+      # Row i of a is i*n .. i*n + n - 1, so its sum is n*i*n + n(n-1)/2.
+      expected = for i <- 0..(n - 1), do: n * i * n + div(n * (n - 1), 2) * 1.0
+      assert_close(l(N.matmul(s(), a, b)), expected, 1.0e-6)
+    end
+
+    test "mismatched inner dims raise Emily.Error" do
+      e =
+        assert_raise Emily.Error, fn ->
+          l(N.matmul(s(), t([1.0, 2.0], {:f, 32}, {1, 2}), t([1.0], {:f, 32}, {1, 1})))
+        end
+
+      assert e.message =~ "matmul:"
+      assert e.message =~ "f32[1x2], f32[1x1]"
+    end
+  end
+
+  describe "addmm / inner / outer / gather_mm" do
+    test "addmm is beta * c + alpha * a @ b" do
+      c = t([1.0, 1.0, 1.0, 1.0], {:f, 32}, {2, 2})
+      a = t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2})
+      i = t([1.0, 0.0, 0.0, 1.0], {:f, 32}, {2, 2})
+      assert l(N.addmm(s(), c, a, i, 2.0, 0.5)) == [2.5, 4.5, 6.5, 8.5]
+      assert l(N.addmm(s(), c, a, a, 1, 1)) == [8.0, 11.0, 16.0, 23.0]
+    end
+
+    test "addmm rejects integers and bad shapes" do
+      a = t([1, 2, 3, 4], {:s, 32}, {2, 2})
+      assert_error(fn -> l(N.addmm(s(), a, a, a, 1, 1)) end, "addmm")
+      f = t([1.0, 2.0], {:f, 32}, {1, 2})
+      assert_error(fn -> l(N.addmm(s(), f, f, f, 1, 1)) end, "addmm")
+    end
+
+    test "inner and outer" do
+      x = t([1.0, 2.0, 3.0])
+      y = t([4.0, 5.0, 6.0])
+      assert l(N.inner(s(), x, y)) == [32.0]
+      o = N.outer(s(), t([1.0, 2.0]), y)
+      assert Emily.shape(o) == {2, 3}
+      assert l(o) == [4.0, 5.0, 6.0, 8.0, 10.0, 12.0]
+      assert_error(fn -> l(N.inner(s(), x, t([1.0, 2.0]))) end, "inner")
+      # outer flattens its inputs (any shapes) and multiplies, so integers work too
+      assert l(N.outer(s(), t([1, 2], {:s, 32}), t([3], {:s, 32}))) == [3, 6]
+      assert_raise ArgumentError, fn -> N.outer(s(), x, [1.0]) end
+    end
+
+    test "gather_mm picks the right-hand matrices by index" do
+      a = t([1.0, 2.0], {:f, 32}, {1, 1, 2})
+      # b[0] = I, b[1] = 2I
+      b = t([1.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 2.0], {:f, 32}, {2, 2, 2})
+      idx = t([1, 0], {:u, 32})
+      out = N.gather_mm(s(), a, b, nil, idx, false)
+      assert Emily.shape(out) == {2, 1, 2}
+      assert l(out) == [2.0, 4.0, 1.0, 2.0]
+      assert_error(fn -> l(N.gather_mm(s(), a, b, nil, t([1.0, 0.0]), false)) end, "gather_mm")
+    end
+  end
+
+  describe "dot (Nx dot/7)" do
+    # Plain Elixir reference: sums over the contracted axes for every (batch, free_a,
+    # free_b) index, in Nx's output layout.
+    defp ref_dot(a, sa, ca, ba, b, sb, cb, bb) do
+      ra = tuple_size(sa)
+      rb = tuple_size(sb)
+      fa = Enum.to_list(0..(ra - 1)) -- (ca ++ ba)
+      fb = Enum.to_list(0..(rb - 1)) -- (cb ++ bb)
+      at = List.to_tuple(a)
+      bt = List.to_tuple(b)
+      ranges = fn shape, axes -> Enum.map(axes, &Enum.to_list(0..(elem(shape, &1) - 1))) end
+
+      for bi <- cartesian(ranges.(sa, ba)),
+          fi <- cartesian(ranges.(sa, fa)),
+          fj <- cartesian(ranges.(sb, fb)) do
+        for ci <- cartesian(ranges.(sa, ca)), reduce: 0 do
+          acc ->
+            ia = place(ra, ba ++ fa ++ ca, bi ++ fi ++ ci)
+            ib = place(rb, bb ++ fb ++ cb, bi ++ fj ++ ci)
+            acc + elem(at, flat_index(ia, sa)) * elem(bt, flat_index(ib, sb))
+        end
+      end
+    end
+
+    defp cartesian([]), do: [[]]
+    defp cartesian([r | rest]), do: for(x <- r, tail <- cartesian(rest), do: [x | tail])
+
+    defp place(rank, axes, values) do
+      m = Map.new(Enum.zip(axes, values))
+      for i <- 0..(rank - 1), do: Map.fetch!(m, i)
+    end
+
+    defp flat_index(idx, shape) do
+      Enum.zip(idx, Tuple.to_list(shape)) |> Enum.reduce(0, fn {i, d}, acc -> acc * d + i end)
+    end
+
+    test "hand-computed contraction of non-leading axes" do
+      # a = [[1, 2], [3, 4]] contracted on axis 0 with b = [[5, 6], [7, 8]] on axis 1:
+      # out[i][j] = sum_k a[k][i] * b[j][k]
+      a = t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2})
+      b = t([5.0, 6.0, 7.0, 8.0], {:f, 32}, {2, 2})
+      assert l(N.dot(s(), a, [0], [], b, [1], [])) == [23.0, 31.0, 34.0, 46.0]
+    end
+
+    test "hand-computed batch on a non-leading axis" do
+      # a {3, 2} batched on axis 1, b {2, 3} batched on axis 0, contracted a0 with b1:
+      # out[n] = sum_k a[k][n] * b[n][k]
+      a = t([1, 2, 3, 4, 5, 6], {:s, 32}, {3, 2})
+      b = t([1, 1, 1, 1, 2, 3], {:s, 32}, {2, 3})
+      out = N.dot(s(), a, [0], [1], b, [1], [0])
+      assert Emily.shape(out) == {2}
+      assert Emily.dtype(out) == {:s, 32}
+      # n=0: 1+3+5 = 9; n=1: 2*1 + 4*2 + 6*3 = 28
+      assert l(out) == [9, 28]
+    end
+
+    test "outer product when nothing is contracted" do
+      out = N.dot(s(), t([1, 2], {:s, 64}), [], [], t([3, 4, 5], {:s, 64}), [], [])
+      assert Emily.shape(out) == {2, 3}
+      assert l(out) == [3, 4, 5, 6, 8, 10]
+    end
+
+    test "integer dot wraps in its type" do
+      a = t([200, 100], {:u, 8})
+      b = t([2, 3], {:u, 8})
+      out = N.dot(s(), a, [0], [], b, [0], [])
+      assert Emily.dtype(out) == {:u, 8}
+      # 400 + 300 = 700 = 188 (mod 256)
+      assert l(out) == [188]
+      out = N.dot(s(), t([100, 100], {:s, 8}), [0], [], t([2, 1], {:s, 8}), [0], [])
+      # 300 = 44 (mod 256)
+      assert l(out) == [44]
+    end
+
+    test "matches the Elixir reference for several axis layouts and types" do
+      cases = [
+        # {shape_a, contract_a, batch_a, shape_b, contract_b, batch_b}
+        {{2, 3}, [1], [], {3, 4}, [0], []},
+        {{2, 3, 4}, [2], [0], {2, 4, 3}, [1], [0]},
+        {{4, 2, 3}, [0, 2], [], {3, 5, 4}, [2, 0], []},
+        {{3, 2, 4}, [0], [2], {4, 3, 2}, [1], [0]},
+        {{2, 2, 3, 2}, [2], [1, 3], {2, 3, 2, 2}, [1], [2, 0]},
+        {{5}, [0], [], {5}, [0], []}
+      ]
+
+      for {sa, ca, ba, sb, cb, bb} <- cases,
+          dt <- [{:f, 32}, {:f, 64}, {:s, 32}, {:s, 64}, {:u, 16}] do
+        na = Tuple.product(sa)
+        nb = Tuple.product(sb)
+        a = for i <- 0..(na - 1), do: rem(i * 7 + 3, 11)
+        b = for i <- 0..(nb - 1), do: rem(i * 5 + 1, 9)
+        cast = fn x -> if elem(dt, 0) == :f, do: x * 1.0, else: x end
+
+        out =
+          N.dot(s(), t(Enum.map(a, cast), dt, sa), ca, ba, t(Enum.map(b, cast), dt, sb), cb, bb)
+
+        expected = ref_dot(a, sa, ca, ba, b, sb, cb, bb) |> Enum.map(cast)
+        assert Emily.dtype(out) == dt
+        assert l(out) == expected, "#{inspect({sa, ca, ba, sb, cb, bb, dt})}"
+      end
+    end
+
+    test "mixed int and float promote like Nx" do
+      out = N.dot(s(), t([1, 2], {:s, 32}), [0], [], t([0.5, 0.25]), [0], [])
+      assert Emily.dtype(out) == {:f, 32}
+      assert l(out) == [1.0]
+    end
+
+    test "a large integer dot sums in chunks" do
+      # 256 x 512 x 256: the integer path splits the 512 contraction into chunks.
+      {m, k, n} = {256, 512, 256}
+      a = for i <- 0..(m - 1), _ <- 0..(k - 1), do: 1 + rem(i, 2)
+      b = for kk <- 0..(k - 1), j <- 0..(n - 1), do: j + rem(kk, 3)
+      out = N.dot(s(), t(a, {:s, 32}, {m, k}), [1], [], t(b, {:s, 32}, {k, n}), [0], [])
+      # sum_k (j + k mod 3) = 512 j + 511 (171 ones and 170 twos among k mod 3)
+      expected = for i <- 0..(m - 1), j <- 0..(n - 1), do: (1 + rem(i, 2)) * (512 * j + 511)
+      assert l(out) == expected
+    end
+
+    test "contracting an empty axis gives zeros" do
+      a = N.full(s(), {2, 0}, 1.0, {:s, 32})
+      b = N.full(s(), {0, 3}, 1.0, {:s, 32})
+      assert l(N.dot(s(), a, [1], [], b, [0], [])) == [0, 0, 0, 0, 0, 0]
+    end
+
+    test "bad axes raise Emily.Error and the stream stays usable" do
+      a = t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2})
+      b = t([1.0, 2.0, 3.0], {:f, 32}, {3})
+
+      assert_error(
+        fn -> l(N.dot(s(), a, [1], [], b, [0], [])) end,
+        "contraction axis 1 of size 2"
+      )
+
+      assert_error(fn -> l(N.dot(s(), a, [2], [], a, [0], [])) end, "invalid contraction axes")
+      assert_error(fn -> l(N.dot(s(), a, [1], [], a, [0, 1], [])) end, "must pair up")
+
+      assert_error(
+        fn -> l(N.dot(s(), a, [0], [0], a, [0], [1])) end,
+        "both contracted and batched"
+      )
+
+      assert_error(fn -> l(N.dot(s(), a, [1], [0], b, [0], [0])) end, "dot")
+      assert_raise ArgumentError, fn -> N.dot(s(), a, [:x], [], a, [0], []) end
+    end
+  end
+
+  describe "tensordot" do
+    test "contracts explicit axes lists" do
+      # a {2, 3}, b {3, 2}: contracting a1 with b0 is matmul
+      a = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
+      b = t([7.0, 8.0, 9.0, 10.0, 11.0, 12.0], {:f, 32}, {3, 2})
+      assert l(N.tensordot(s(), a, b, [1], [0])) == [58.0, 64.0, 139.0, 154.0]
+      # full contraction over both axes (a0 with b1, a1 with b0): trace(a @ b) = 58 + 154
+      assert l(N.tensordot(s(), a, b, [0, 1], [1, 0])) == [212.0]
+    end
+
+    test "integer tensordot" do
+      a = t([1, 2, 3, 4, 5, 6], {:s, 32}, {2, 3})
+      b = t([7, 8, 9, 10, 11, 12], {:s, 32}, {3, 2})
+      assert l(N.tensordot(s(), a, b, [1], [0])) == [58, 64, 139, 154]
+    end
+
+    test "mismatched sizes raise" do
+      a = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
+      assert_error(fn -> l(N.tensordot(s(), a, a, [1], [1, 0])) end, "tensordot")
+      assert_error(fn -> l(N.tensordot(s(), a, a, [0], [1])) end, "does not match")
+    end
+  end
+
+  describe "decompositions (CPU stream)" do
+    # Eigenvectors are unique up to sign: make the first nonzero entry of each column
+    # positive.
+    defp normalize_columns(q) do
+      signs =
+        q
+        |> transpose()
+        |> Enum.map(fn col -> if Enum.find(col, &(abs(&1) > 1.0e-6)) < 0, do: -1, else: 1 end)
+
+      Enum.map(q, fn row -> Enum.zip_with(row, signs, &(&1 * &2)) end)
+    end
+
+    # QR is unique up to the signs of r's diagonal: make them positive (flipping the
+    # matching columns of q).
+    defp normalize_qr(q, r) do
+      signs =
+        r
+        |> Enum.with_index()
+        |> Enum.map(fn {row, i} -> if Enum.at(row, i) < 0, do: -1, else: 1 end)
+
+      q = Enum.map(q, fn row -> Enum.zip_with(row, signs, &(&1 * &2)) end)
+      {q, Enum.zip_with(r, signs, fn row, sg -> Enum.map(row, &(&1 * sg)) end)}
+    end
+
+    test "qr of a 2x2, hand-computed" do
+      # a = [[3, 1], [4, 2]]: q1 = [3, 4]/5, r = [[5, 11/5], [0, 2/5]], q2 = [-4, 3]/5
+      [q, r] = N.qr(cpu(), t([3.0, 1.0, 4.0, 2.0], {:f, 32}, {2, 2}))
+      {qn, rn} = normalize_qr(rows(l(q), 2), rows(l(r), 2))
+      assert_close(List.flatten(qn), [0.6, -0.8, 0.8, 0.6], 1.0e-6)
+      assert_close(List.flatten(rn), [5.0, 2.2, 0.0, 0.4], 1.0e-6)
+    end
+
+    test "qr of a tall f64 matrix reconstructs and is orthonormal" do
+      a = [[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]]
+      [q, r] = N.qr(cpu(), t(List.flatten(a), {:f, 64}, {3, 2}))
+      assert Emily.shape(q) == {3, 2}
+      assert Emily.shape(r) == {2, 2}
+      q = rows(l(q), 2)
+      r = rows(l(r), 2)
+      assert_close(List.flatten(mm(q, r)), List.flatten(a), 1.0e-12)
+      assert_close(List.flatten(mm(transpose(q), q)), List.flatten(ident(2)), 1.0e-12)
+      assert Enum.at(Enum.at(r, 1), 0) == 0.0
+    end
+
+    test "svd: singular values hand-computed, factors reconstruct" do
+      # a = [[3, 0], [4, 5]]: a^T a = [[25, 20], [20, 25]], eigenvalues 45 and 5
+      a = [[3.0, 0.0], [4.0, 5.0]]
+      [u, sv, vt] = N.svd(cpu(), t(List.flatten(a), {:f, 32}, {2, 2}))
+      assert_close(l(sv), [:math.sqrt(45), :math.sqrt(5)], 1.0e-6)
+      [s0, s1] = l(sv)
+      us = rows(l(u), 2) |> Enum.map(fn [x, y] -> [x * s0, y * s1] end)
+      assert_close(List.flatten(mm(us, rows(l(vt), 2))), List.flatten(a), 1.0e-5)
+
+      assert_close(l(N.svdvals(cpu(), t(List.flatten(a), {:f, 32}, {2, 2}))), [
+        6.7082039,
+        2.2360680
+      ])
+    end
+
+    test "svd of a wide matrix gives full u and vt" do
+      [u, sv, vt] = N.svd(cpu(), t([1.0, 0.0, 0.0, 0.0, 2.0, 0.0], {:f, 64}, {2, 3}))
+      assert {Emily.shape(u), Emily.shape(sv), Emily.shape(vt)} == {{2, 2}, {2}, {3, 3}}
+      assert_close(l(sv), [2.0, 1.0], 1.0e-12)
+    end
+
+    test "inv, tri_inv, pinv" do
+      # [[4, 7], [2, 6]]^-1 = [[6, -7], [-2, 4]] / 10
+      assert_close(l(N.inv(cpu(), t([4.0, 7.0, 2.0, 6.0], {:f, 32}, {2, 2}))), [
+        0.6,
+        -0.7,
+        -0.2,
+        0.4
+      ])
+
+      lower = t([2.0, 0.0, 1.0, 4.0], {:f, 64}, {2, 2})
+      assert_close(l(N.tri_inv(cpu(), lower, false)), [0.5, 0.0, -0.125, 0.25], 1.0e-12)
+      upper = t([2.0, 1.0, 0.0, 4.0], {:f, 64}, {2, 2})
+      assert_close(l(N.tri_inv(cpu(), upper, true)), [0.5, -0.125, 0.0, 0.25], 1.0e-12)
+      # rank one [[1, 2], [2, 4]] = u u^T with |u|^2 = 5: pinv = a / 25
+      assert_close(l(N.pinv(cpu(), t([1.0, 2.0, 2.0, 4.0], {:f, 32}, {2, 2}))), [
+        0.04,
+        0.08,
+        0.08,
+        0.16
+      ])
+    end
+
+    test "inv of a batch" do
+      a = t([2.0, 0.0, 0.0, 2.0, 1.0, 1.0, 0.0, 1.0], {:f, 32}, {2, 2, 2})
+      assert_close(l(N.inv(cpu(), a)), [0.5, 0.0, 0.0, 0.5, 1.0, -1.0, 0.0, 1.0])
+    end
+
+    test "cholesky lower and upper, cholesky_inv" do
+      a = t([4.0, 2.0, 2.0, 3.0], {:f, 32}, {2, 2})
+      assert_close(l(N.cholesky(cpu(), a, false)), [2.0, 0.0, 1.0, :math.sqrt(2)])
+      assert_close(l(N.cholesky(cpu(), a, true)), [2.0, 1.0, 0.0, :math.sqrt(2)])
+      # inv(a) = [[3, -2], [-2, 4]] / 8, from the factor
+      lf = N.cholesky(cpu(), a, false)
+      assert_close(l(N.cholesky_inv(cpu(), lf, false)), [0.375, -0.25, -0.25, 0.5])
+      uf = N.cholesky(cpu(), a, true)
+      assert_close(l(N.cholesky_inv(cpu(), uf, true)), [0.375, -0.25, -0.25, 0.5])
+    end
+
+    test "lu: a = (l @ u)[pivots]" do
+      # a = [[4, 3], [6, 3]]: pivot row 1 first; l = [[1, 0], [2/3, 1]], u = [[6, 3], [0, 1]]
+      [p, lo, up] = N.lu(cpu(), t([4.0, 3.0, 6.0, 3.0], {:f, 32}, {2, 2}))
+      assert Emily.dtype(p) == {:u, 32}
+      assert l(p) == [1, 0]
+      assert_close(l(lo), [1.0, 0.0, 2 / 3, 1.0])
+      assert_close(l(up), [6.0, 3.0, 0.0, 1.0])
+    end
+
+    test "lu of a 3x3 f64 reconstructs" do
+      a = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 10.0]]
+      [p, lo, up] = N.lu(cpu(), t(List.flatten(a), {:f, 64}, {3, 3}))
+      # row i of a is row pivots[i] of l @ u
+      lu = mm(rows(l(lo), 3), rows(l(up), 3))
+      assert_close(List.flatten(Enum.map(l(p), &Enum.at(lu, &1))), List.flatten(a), 1.0e-12)
+    end
+
+    test "lu_factor: packed factors and LAPACK's sequential row swaps" do
+      [luf, piv] = N.lu_factor(cpu(), t([4.0, 3.0, 6.0, 3.0], {:f, 32}, {2, 2}))
+      assert_close(l(luf), [6.0, 3.0, 2 / 3, 1.0])
+      assert l(piv) == [1, 1]
+    end
+
+    test "solve with a vector and a matrix right-hand side" do
+      # [[3, 1], [1, 2]] x = [9, 8] -> x = [2, 3]
+      a = t([3.0, 1.0, 1.0, 2.0], {:f, 32}, {2, 2})
+      assert_close(l(N.solve(cpu(), a, t([9.0, 8.0]))), [2.0, 3.0])
+      b = t([9.0, 1.0, 8.0, 2.0], {:f, 32}, {2, 2})
+      # second column: [[3, 1], [1, 2]] x = [1, 2] -> x = [0, 1]
+      assert_close(l(N.solve(cpu(), a, b)), [2.0, 0.0, 3.0, 1.0], 1.0e-5)
+    end
+
+    test "solve_triangular lower and upper" do
+      lower = t([2.0, 0.0, 1.0, 4.0], {:f, 32}, {2, 2})
+      assert_close(l(N.solve_triangular(cpu(), lower, t([2.0, 9.0]), false)), [1.0, 2.0])
+      upper = t([2.0, 1.0, 0.0, 4.0], {:f, 32}, {2, 2})
+      assert_close(l(N.solve_triangular(cpu(), upper, t([4.0, 8.0]), true)), [1.0, 2.0])
+    end
+
+    test "eigh and eigvalsh; uplo picks the triangle" do
+      a = t([2.0, 1.0, 1.0, 2.0], {:f, 32}, {2, 2})
+      [w, v] = N.eigh(cpu(), a, "L")
+      assert_close(l(w), [1.0, 3.0])
+      r = :math.sqrt(0.5)
+      assert_close(List.flatten(normalize_columns(rows(l(v), 2))), [r, r, -r, r], 1.0e-6)
+      # only the named triangle is read: [[2, 100], [1, 2]]
+      b = t([2.0, 100.0, 1.0, 2.0], {:f, 64}, {2, 2})
+      assert_close(l(N.eigvalsh(cpu(), b, "L")), [1.0, 3.0], 1.0e-12)
+      assert_close(l(N.eigvalsh(cpu(), b, "U")), [-98.0, 102.0], 1.0e-12)
+    end
+
+    test "eig and eigvals return complex64" do
+      a = t([1.0, 2.0, 0.0, 3.0], {:f, 32}, {2, 2})
+      [w, _v] = N.eig(cpu(), a)
+      assert Emily.dtype(w) == {:c, 64}
+      assert Enum.sort(l(w)) == [{1.0, 0.0}, {3.0, 0.0}]
+      # a rotation has eigenvalues +-i
+      rot = t([0.0, -1.0, 1.0, 0.0], {:f, 32}, {2, 2})
+      ws = l(N.eigvals(cpu(), rot)) |> Enum.sort()
+      assert_close(ws, [{0.0, -1.0}, {0.0, 1.0}], 1.0e-6)
+    end
+
+    test "det and slogdet: small and LU paths" do
+      assert_close(l(N.det(cpu(), t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2}))), [-2.0])
+      # a row swap of diag(1, 2, 3, 4): det = -24
+      a = [0, 2, 0, 0, 1, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 4]
+      x = t(Enum.map(a, &(&1 * 1.0)), {:f, 64}, {4, 4})
+      # MLX 0.32's CPU exp runs at f32 precision even for f64, and det is
+      # sign * exp(log|det|) past 3x3.
+      assert_close(l(N.det(cpu(), x)), [-24.0], 1.0e-6)
+      [sign, logabs] = N.slogdet(cpu(), x)
+      assert l(sign) == [-1.0]
+      assert_close(l(logabs), [:math.log(24)], 1.0e-12)
+      # integers are promoted to f32
+      d = N.det(cpu(), t([2, 0, 0, 3], {:s, 32}, {2, 2}))
+      assert Emily.dtype(d) == {:f, 32}
+      assert l(d) == [6.0]
+    end
+
+    test "norms and cross" do
+      assert l(N.norm(cpu(), t([3.0, 4.0]), [], false)) == [5.0]
+      m = t([1.0, -2.0, 3.0, 4.0], {:f, 32}, {2, 2})
+      assert l(N.norm(cpu(), m, [1], false)) |> Enum.map(&Float.round(&1, 5)) == [2.23607, 5.0]
+      # inf-norm: largest absolute row sum
+      assert l(N.norm_ord(cpu(), m, :infinity, [0, 1], false)) == [7.0]
+      assert l(N.norm_ord(cpu(), t([3.0, -4.0]), 1, [], true)) == [7.0]
+      assert_close(l(N.norm_str(cpu(), m, "fro", [0, 1], false)), [:math.sqrt(30)])
+      d = t([3.0, 0.0, 0.0, -4.0], {:f, 32}, {2, 2})
+      assert_close(l(N.norm_str(cpu(), d, "nuc", [0, 1], false)), [7.0])
+      assert l(N.cross(s(), t([1.0, 0.0, 0.0]), t([0.0, 1.0, 0.0]), 0)) == [0.0, 0.0, 1.0]
+    end
+
+    test "every op rejects bad shapes or dtypes with Emily.Error; the stream survives" do
+      c = cpu()
+      vec = t([1.0, 2.0])
+      rect = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
+      half = t([1.0, 0.0, 0.0, 1.0], {:f, 16}, {2, 2})
+      ints = t([1, 0, 0, 1], {:s, 32}, {2, 2})
+      sq = t([1.0, 0.0, 0.0, 1.0], {:f, 32}, {2, 2})
+
+      cases = [
+        {"qr", fn -> N.qr(c, vec) end},
+        {"qr", fn -> N.qr(c, half) end},
+        {"svd", fn -> N.svd(c, ints) end},
+        {"svd", fn -> N.svdvals(c, vec) end},
+        {"inv", fn -> N.inv(c, rect) end},
+        {"inv", fn -> N.tri_inv(c, ints, false) end},
+        {"pinv", fn -> N.pinv(c, vec) end},
+        {"cholesky", fn -> N.cholesky(c, rect, false) end},
+        {"cholesky", fn -> N.cholesky(c, half, true) end},
+        {"cholesky_inv", fn -> N.cholesky_inv(c, vec, false) end},
+        {"lu", fn -> N.lu(c, ints) end},
+        {"lu_factor", fn -> N.lu_factor(c, vec) end},
+        {"solve", fn -> N.solve(c, rect, vec) end},
+        {"solve", fn -> N.solve(c, sq, t([1.0, 2.0, 3.0])) end},
+        {"solve_triangular", fn -> N.solve_triangular(c, sq, t([1.0, 2.0, 3.0]), true) end},
+        {"eigh", fn -> N.eigh(c, rect, "L") end},
+        {"eigvalsh", fn -> N.eigvalsh(c, half, "L") end},
+        {"eig", fn -> N.eig(c, rect) end},
+        {"eigvals", fn -> N.eigvals(c, vec) end},
+        {"det", fn -> N.det(c, rect) end},
+        {"slogdet", fn -> N.slogdet(c, vec) end},
+        {"norm", fn -> N.norm(c, rect, [0, 1, 2], false) end},
+        {"norm_ord", fn -> N.norm_ord(c, rect, 3, [0, 1], false) end},
+        {"norm_str", fn -> N.norm_str(c, rect, "bogus", [0, 1], false) end},
+        {"cross", fn -> N.cross(c, t([1.0, 2.0, 3.0, 4.0]), t([1.0, 2.0, 3.0, 4.0]), 0) end}
+      ]
+
+      for {name, fun} <- cases do
+        e =
+          assert_raise Emily.Error, fn ->
+            case fun.() do
+              list when is_list(list) -> Emily.eval(list)
+              tensor -> Emily.eval([tensor])
+            end
+          end
+
+        assert e.message =~ name, "#{name}: #{e.message}"
+        assert_alive(c)
+      end
+    end
+
+    test "bad Elixir arguments raise ArgumentError at once" do
+      assert_raise ArgumentError, fn -> N.cholesky(cpu(), t([1.0]), :yes) end
+      assert_raise ArgumentError, fn -> N.eigh(cpu(), t([1.0]), :lower) end
+    end
   end
 end

@@ -20,6 +20,10 @@
 #include "sort.h"
 #include "unary.h"
 
+// Per-family glue used by table expressions.
+#include "conv.h"
+#include "linalg.h"
+
 namespace emily {
 
 // Reads one op's arguments in the order the generated Rust NIF wrote them.

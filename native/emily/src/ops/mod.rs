@@ -13,9 +13,14 @@ use rustler::NifResult;
 use std::sync::Arc;
 
 pub mod binary;
+pub mod conv;
 pub mod creation;
+pub mod fast;
+pub mod fft;
 pub mod index;
 pub mod linalg;
+pub mod quant;
+pub mod random;
 pub mod reduce;
 pub mod scan;
 pub mod shape;

@@ -1,0 +1,139 @@
+// Products composed from MLX ops (see linalg.h).
+#include "linalg.h"
+
+#include <algorithm>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+
+namespace emily {
+namespace mx = mlx::core;
+
+namespace {
+
+std::string axes_str(const std::vector<int>& v) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < v.size(); i++) o << (i ? ", " : "") << v[i];
+  o << "]";
+  return o.str();
+}
+
+// Normalizes negative axes and rejects out-of-range or repeated ones.
+std::vector<int> normalize(const std::vector<int>& axes, int ndim, const char* what) {
+  std::vector<int> out;
+  std::vector<bool> seen(ndim, false);
+  for (int ax : axes) {
+    int n = ax < 0 ? ax + ndim : ax;
+    if (n < 0 || n >= ndim || seen[n]) {
+      throw std::invalid_argument(std::string("[dot] invalid ") + what + " axes " + axes_str(axes) +
+                                  " for an array of rank " + std::to_string(ndim));
+    }
+    seen[n] = true;
+    out.push_back(n);
+  }
+  return out;
+}
+
+std::vector<int> free_axes(int ndim, const std::vector<int>& x, const std::vector<int>& y) {
+  std::vector<bool> used(ndim, false);
+  for (int ax : x) used[ax] = true;
+  for (int ax : y) used[ax] = true;
+  std::vector<int> out;
+  for (int i = 0; i < ndim; i++)
+    if (!used[i]) out.push_back(i);
+  return out;
+}
+
+int dims_product(const array& a, const std::vector<int>& axes) {
+  int64_t n = 1;
+  for (int ax : axes) n *= a.shape(ax);
+  return static_cast<int>(n);
+}
+
+// Above this many elements in a (B, M, k, N) product, the integer path sums over the
+// contraction in chunks so that memory stays bounded.
+constexpr int64_t kIntChunkElems = int64_t(1) << 24;
+
+array int_bmm(const array& a, const array& b, const Stream& s) {
+  // a: (B, M, K), b: (B, K, N)
+  int64_t bmn = int64_t(a.shape(0)) * a.shape(1) * b.shape(2);
+  int k = a.shape(2);
+  int64_t chunk = std::max<int64_t>(1, kIntChunkElems / std::max<int64_t>(1, bmn));
+  auto partial = [&](int k0, int k1) {
+    auto as = mx::slice(a, {0, 0, k0}, {a.shape(0), a.shape(1), k1}, s);
+    auto bs = mx::slice(b, {0, k0, 0}, {b.shape(0), k1, b.shape(2)}, s);
+    auto prod = mx::multiply(mx::expand_dims(as, 3, s), mx::expand_dims(bs, 1, s), s);
+    return mx::sum(prod, 2, false, s);
+  };
+  if (k <= chunk) return partial(0, k);
+  std::optional<array> acc;
+  for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+    auto p = partial(static_cast<int>(k0), static_cast<int>(std::min<int64_t>(k, k0 + chunk)));
+    acc = acc ? mx::add(*acc, p, s) : p;
+  }
+  return *acc;
+}
+
+}  // namespace
+
+array dot_general(const array& a, const std::vector<int>& contract_a, const std::vector<int>& batch_a,
+                  const array& b, const std::vector<int>& contract_b, const std::vector<int>& batch_b,
+                  const Stream& s) {
+  auto ca = normalize(contract_a, a.ndim(), "contraction");
+  auto ba = normalize(batch_a, a.ndim(), "batch");
+  auto cb = normalize(contract_b, b.ndim(), "contraction");
+  auto bb = normalize(batch_b, b.ndim(), "batch");
+  if (ca.size() != cb.size() || ba.size() != bb.size()) {
+    throw std::invalid_argument("[dot] contraction axes " + axes_str(contract_a) + " / " +
+                                axes_str(contract_b) + " and batch axes " + axes_str(batch_a) + " / " +
+                                axes_str(batch_b) + " must pair up");
+  }
+  for (size_t i = 0; i < ca.size(); i++) {
+    if (a.shape(ca[i]) != b.shape(cb[i])) {
+      throw std::invalid_argument("[dot] contraction axis " + std::to_string(ca[i]) + " of size " +
+                                  std::to_string(a.shape(ca[i])) + " does not match axis " +
+                                  std::to_string(cb[i]) + " of size " + std::to_string(b.shape(cb[i])));
+    }
+  }
+  for (size_t i = 0; i < ba.size(); i++) {
+    if (a.shape(ba[i]) != b.shape(bb[i])) {
+      throw std::invalid_argument("[dot] batch axis " + std::to_string(ba[i]) + " of size " +
+                                  std::to_string(a.shape(ba[i])) + " does not match axis " +
+                                  std::to_string(bb[i]) + " of size " + std::to_string(b.shape(bb[i])));
+    }
+  }
+  for (int ax : ca)
+    for (int bx : ba)
+      if (ax == bx) throw std::invalid_argument("[dot] an axis of a is both contracted and batched");
+  for (int ax : cb)
+    for (int bx : bb)
+      if (ax == bx) throw std::invalid_argument("[dot] an axis of b is both contracted and batched");
+
+  auto fa = free_axes(a.ndim(), ca, ba);
+  auto fb = free_axes(b.ndim(), cb, bb);
+
+  std::vector<int> perm_a(ba);
+  perm_a.insert(perm_a.end(), fa.begin(), fa.end());
+  perm_a.insert(perm_a.end(), ca.begin(), ca.end());
+  std::vector<int> perm_b(bb);
+  perm_b.insert(perm_b.end(), cb.begin(), cb.end());
+  perm_b.insert(perm_b.end(), fb.begin(), fb.end());
+
+  int nb = dims_product(a, ba), m = dims_product(a, fa), k = dims_product(a, ca), n = dims_product(b, fb);
+  auto at = mx::reshape(mx::transpose(a, perm_a, s), {nb, m, k}, s);
+  auto bt = mx::reshape(mx::transpose(b, perm_b, s), {nb, k, n}, s);
+
+  auto type = mx::promote_types(a.dtype(), b.dtype());
+  // MLX sums small integers into a wider type; the cast back keeps Nx's result type, and
+  // the wrapped result is the same since products and sums wrap modulo the same 2^n.
+  auto out = mx::issubdtype(type, mx::inexact) ? mx::matmul(at, bt, s) : mx::astype(int_bmm(at, bt, s), type, s);
+
+  mx::Shape shape;
+  for (int ax : ba) shape.push_back(a.shape(ax));
+  for (int ax : fa) shape.push_back(a.shape(ax));
+  for (int ax : fb) shape.push_back(b.shape(ax));
+  return mx::reshape(out, shape, s);
+}
+
+}  // namespace emily

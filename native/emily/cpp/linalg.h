@@ -1,0 +1,18 @@
+// Glue for the products of optable/linalg.ops that are more than one MLX call.
+#pragma once
+
+#include <vector>
+
+#include "emily.h"
+
+namespace emily {
+
+// Nx's dot/7: contracts `contract_a` of `a` with `contract_b` of `b`, pairing batch axes
+// `batch_a` with `batch_b`. The result is laid out batch axes, then a's free axes, then
+// b's free axes (in their original order). Inexact types go through one batched matmul;
+// integer and bool types, which MLX's matmul rejects, through multiply + sum.
+array dot_general(const array& a, const std::vector<int>& contract_a, const std::vector<int>& batch_a,
+                  const array& b, const std::vector<int>& contract_b, const std::vector<int>& batch_b,
+                  const Stream& s);
+
+}  // namespace emily
