@@ -75,7 +75,10 @@ fn main() {
         }
         write_if_changed(&out.join(&needle), &codegen::rust_nifs(&numbered));
         let cc = out.join(format!("ops_{family}.cc"));
-        write_if_changed(&cc, &codegen::cpp_family(&family, &numbered));
+        write_if_changed(
+            &cc,
+            &codegen::cpp_family(&family, &numbered, manifest.join(format!("cpp/{family}.h")).exists()),
+        );
         cpp_files.push(cc);
         families.push(family);
     }

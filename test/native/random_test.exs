@@ -84,16 +84,16 @@ defmodule Emily.Native.RandomTest do
 
     test "split matches threefry on the key" do
       k = N.key(s(), 42)
-      keys = N.split(s(), k, 3)
+      keys = N.key_split(s(), k, 3)
       assert Emily.shape(keys) == {3, 2}
       assert l(keys) == mlx_bits({0, 42}, 6)
 
-      k2 = N.split(s(), N.key(s(), 7), 2)
+      k2 = N.key_split(s(), N.key(s(), 7), 2)
       assert l(k2) == mlx_bits({0, 7}, 4)
     end
 
     test "split keys differ from each other and from the parent" do
-      keys = N.split(s(), N.key(s(), 1), 4) |> l() |> Enum.chunk_every(2)
+      keys = N.key_split(s(), N.key(s(), 1), 4) |> l() |> Enum.chunk_every(2)
       assert length(Enum.uniq([[0, 1] | keys])) == 5
     end
 
@@ -134,7 +134,7 @@ defmodule Emily.Native.RandomTest do
         assert l(fun.()) == l(fun.())
       end
 
-      [a, b] = N.split(s(), k, 2) |> l() |> Enum.chunk_every(2) |> Enum.map(&t(&1, {:u, 32}))
+      [a, b] = N.key_split(s(), k, 2) |> l() |> Enum.chunk_every(2) |> Enum.map(&t(&1, {:u, 32}))
 
       refute l(N.uniform(s(), a, 0, 1, {16}, {:f, 32})) ==
                l(N.uniform(s(), b, 0, 1, {16}, {:f, 32}))
@@ -237,8 +237,8 @@ defmodule Emily.Native.RandomTest do
     float_key = t([1.0, 2.0])
 
     cases = [
-      {"split", "key type uint32", fn -> N.split(s(), float_key, 2) end},
-      {"split", "Negative", fn -> N.split(s(), k, -1) end},
+      {"key_split", "key type uint32", fn -> N.key_split(s(), float_key, 2) end},
+      {"key_split", "Negative", fn -> N.key_split(s(), k, -1) end},
       {"bits", "Bit width", fn -> N.bits(s(), k, {2}, 3) end},
       {"uniform", "floating point", fn -> N.uniform(s(), k, 0, 1, {2}, {:s, 32}) end},
       {"uniform", "key shape", fn -> N.uniform(s(), bad_key, 0, 1, {2}, {:f, 32}) end},

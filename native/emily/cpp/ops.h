@@ -8,21 +8,6 @@
 #include <utility>
 
 #include "emily.h"
-#include "index.h"
-#include "shape.h"
-#include "types.h"
-#include "window.h"
-
-// Glue of the numeric families (composed ops the tables call by name).
-#include "binary.h"
-#include "reduce.h"
-#include "scan.h"
-#include "sort.h"
-#include "unary.h"
-
-// Per-family glue used by table expressions.
-#include "conv.h"
-#include "linalg.h"
 
 namespace emily {
 
