@@ -133,6 +133,13 @@ defmodule Emily.Native.IndexTest do
       assert l(N.gather(s(), x, i32([3, 0, 0, 2], {2, 2}), [1, 0])) == [3, 8]
     end
 
+    test "no indices give an empty result", %{x: x} do
+      y = N.gather(s(), x, t([], {:s, 32}, {0, 2}), [0, 1])
+      assert Emily.shape(y) == {0}
+      assert l(y) == []
+      assert Emily.shape(N.gather(s(), x, t([], {:s, 32}, {0, 1}), [1])) == {0, 3}
+    end
+
     test "out-of-range indices are clamped (as XLA does)", %{x: x} do
       assert l(N.gather(s(), x, i32([9, -4, -1, 7], {2, 2}), [0, 1])) == [8, 3]
       assert l(N.gather(s(), x, t([255, 1], {:u, 8}, {2, 1}), [0])) == [8, 9, 10, 11, 4, 5, 6, 7]

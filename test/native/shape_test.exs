@@ -97,6 +97,14 @@ defmodule Emily.Native.ShapeTest do
         l(N.pad(s(), x, z, [0, 0], [0, 0], [0, -1]))
       end
 
+      assert_raise Emily.Error, ~r/pad: .*outside the supported range/, fn ->
+        l(N.pad(s(), x, z, [2_000_000_000, 0], [2_000_000_000, 0], [0, 0]))
+      end
+
+      assert_raise Emily.Error, ~r/interior padding makes axis 1 too large/, fn ->
+        l(N.pad(s(), x, z, [0, 0], [0, 0], [0, 2_000_000_000]))
+      end
+
       assert_raise Emily.Error, ~r/one element/, fn ->
         l(N.pad(s(), x, t([1, 2], {:s, 32}), [0, 0], [0, 0], [0, 0]))
       end

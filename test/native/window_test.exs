@@ -92,6 +92,11 @@ defmodule Emily.Native.WindowTest do
         l(N.window_min(s(), x, [2], [], [], [], []))
       end
 
+      # Extents past 32-bit sizes are measured, not wrapped.
+      assert_raise Emily.Error, ~r/a window of extent 4000000000000000001 does not fit/, fn ->
+        l(N.window_sum(s(), x, [2_000_000_001, 1], [], [], [], [2_000_000_000, 1]))
+      end
+
       assert_raise Emily.Error, ~r/strides must be positive/, fn ->
         l(N.window_product(s(), x, [2, 2], [0, 1], [], [], []))
       end

@@ -59,6 +59,15 @@ std::vector<int> check_axes(const std::vector<int>& axes, int ndim) {
   return out;
 }
 
+// Column j of the last axis of `indices` (a slice: take refuses empty inputs).
+array column(const array& indices, int j, const Stream& s) {
+  int r = indices.ndim();
+  Shape start(r, 0), stop = indices.shape();
+  start[r - 1] = j;
+  stop[r - 1] = j + 1;
+  return mx::squeeze(mx::slice(indices, start, stop, s), r - 1, s);
+}
+
 // `starts` (one per axis) clamped to [0, limit[i]] and made int32.
 array clamp_starts(const array& starts, const std::vector<int64_t>& limit, const Stream& s) {
   check_integer(starts, "starts");
@@ -178,7 +187,7 @@ array gather_nx(const array& a, const array& indices, const std::vector<int>& ax
     if (dim == 0 && indices.size() > 0) {
       fail("cannot index axis " + std::to_string(axes[j]) + " of size 0");
     }
-    array col = mx::take(indices, j, indices.ndim() - 1, s);
+    array col = column(indices, j, s);
     idx.push_back(dim == 0 ? col : clamp_index(col, dim, s));
     slice_sizes[axes[j]] = 1;
     squeeze_axes.push_back(nb + axes[j]);
@@ -300,7 +309,7 @@ array scatter_nx(const array& a, const array& indices, const array& updates,
   std::vector<array> cols;
   std::optional<array> valid;
   for (int j = 0; j < k; j++) {
-    array col = widen(mx::take(indices, j, 1, s), s);
+    array col = widen(column(indices, j, s), s);
     array ok = in_range(col, a.shape(axes[j]), s);
     valid = valid ? mx::logical_and(*valid, ok, s) : ok;
     cols.push_back(col);

@@ -1,6 +1,7 @@
 // Shape glue: see shape.h.
 #include "shape.h"
 
+#include <limits>
 #include <stdexcept>
 
 #include "index.h"
@@ -52,8 +53,12 @@ array pad_nx(const array& a, const array& value, const std::vector<int>& lo,
         new_axes.push_back(static_cast<int>(expanded.size()) - 1);
         ilo.push_back(0);
         ihi.push_back(interior[i]);
-        merged.push_back(d * (1 + interior[i]));
-        stop.push_back(d + (d - 1) * interior[i]);
+        int64_t grown = static_cast<int64_t>(d) * (1 + interior[i]);
+        if (grown > std::numeric_limits<int32_t>::max()) {
+          fail("interior padding makes axis " + std::to_string(i) + " too large");
+        }
+        merged.push_back(static_cast<int>(grown));
+        stop.push_back(static_cast<int>(grown - interior[i]));
       } else {
         merged.push_back(d);
         stop.push_back(d);
@@ -77,13 +82,14 @@ array pad_nx(const array& a, const array& value, const std::vector<int>& lo,
   if (grow) x = mx::pad(x, all_axes, glo, ghi, v, "constant", s);
   if (!crop) return x;
   for (int i = 0; i < r; i++) {
-    int b = std::max(-lo[i], 0), e = x.shape(i) - std::max(-hi[i], 0);
+    int64_t b = std::max<int64_t>(-static_cast<int64_t>(lo[i]), 0);
+    int64_t e = x.shape(i) - std::max<int64_t>(-static_cast<int64_t>(hi[i]), 0);
     if (e < b) {
       fail("padding " + std::to_string(lo[i]) + ", " + std::to_string(hi[i]) +
            " leaves axis " + std::to_string(i) + " with a negative size");
     }
-    start.push_back(b);
-    stop.push_back(e);
+    start.push_back(static_cast<int>(b));
+    stop.push_back(static_cast<int>(e));
   }
   return mx::slice(x, start, stop, s);
 }

@@ -1,6 +1,7 @@
 // Type glue: see types.h.
 #include "types.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -36,6 +37,7 @@ array unpack_bits(const array& packed, int bits, bool is_signed, int64_t count, 
     fail(std::to_string(bytes) + " bytes do not hold " + std::to_string(count) +
          " values of " + std::to_string(bits) + " bits");
   }
+  if (count > std::numeric_limits<int32_t>::max()) fail("too many values");
   int needed = static_cast<int>((count + per - 1) / per);
   array column = mx::reshape(mx::slice(packed, {0}, {needed}, s), {needed, 1}, s);
   array v = column;
@@ -62,6 +64,9 @@ array pack_bits(const array& a, int bits, const Stream& s) {
     fail("expected an integer or bool tensor");
   }
   int per = 8 / bits;
+  if (a.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+    fail("too many values");
+  }
   int n = static_cast<int>(a.size());
   int bytes = (n + per - 1) / per;
   array mask(static_cast<uint8_t>((1 << bits) - 1), mx::uint8);

@@ -66,12 +66,12 @@ Shape window_out(const Shape& padded, const std::vector<int>& window,
                  const std::vector<int>& strides, const std::vector<int>& dilations) {
   Shape out;
   for (size_t i = 0; i < padded.size(); i++) {
-    int extent = (window[i] - 1) * dilations[i] + 1;
+    int64_t extent = static_cast<int64_t>(window[i] - 1) * dilations[i] + 1;
     if (extent > padded[i]) {
       fail("a window of extent " + std::to_string(extent) + " does not fit axis " +
            std::to_string(i) + " of padded size " + std::to_string(padded[i]));
     }
-    out.push_back((padded[i] - extent) / strides[i] + 1);
+    out.push_back(static_cast<int>((padded[i] - extent) / strides[i] + 1));
   }
   return out;
 }
@@ -189,8 +189,10 @@ array window_scatter(const array& a, const array& source, const array& init,
   if (source.shape() != out) {
     fail("source has shape " + str(source.shape()) + ", the windows " + str(out));
   }
-  int k = 1;
-  for (int w : window) k *= w;
+  int64_t window_size = 1;
+  for (int w : window) window_size *= w;
+  if (window_size > std::numeric_limits<int32_t>::max()) fail("the window is too large");
+  int k = static_cast<int>(window_size);
   Shape flat = out;
   flat.push_back(k);
 
