@@ -105,6 +105,6 @@ pub fn cpp_dispatch(families: &[String]) -> String {
     );
     let calls: Vec<String> = families.iter().map(|f| format!("dispatch_{f}(op, r, s, out->items)")).collect();
     s.push_str(&calls.join(" ||\n      "));
-    s.push_str(") {\n    return out;\n  }\n  throw std::invalid_argument(\"unknown op id \" + std::to_string(op));\n}\n\n}  // namespace emily\n");
+    s.push_str(") {\n    check_outputs(out->items);\n    return out;\n  }\n  throw std::invalid_argument(\"unknown op id \" + std::to_string(op));\n}\n\n}  // namespace emily\n");
     s
 }

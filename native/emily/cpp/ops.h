@@ -34,13 +34,13 @@ class Reader {
   std::vector<int> ints() {
     auto n = static_cast<size_t>(int_());
     std::vector<int> v(n);
-    for (size_t k = 0; k < n; k++) v[k] = static_cast<int>(int_());
+    for (size_t k = 0; k < n; k++) v[k] = int32(int_());
     return v;
   }
   mlx::core::Shape shape() {
     auto n = static_cast<size_t>(int_());
     mlx::core::Shape v(n);
-    for (size_t k = 0; k < n; k++) v[k] = static_cast<int32_t>(int_());
+    for (size_t k = 0; k < n; k++) v[k] = int32(int_());
     return v;
   }
   double float_() { return f_.at(fi_++); }
@@ -52,12 +52,34 @@ class Reader {
   std::string str() { return std::string(s_.at(si_++)); }
 
  private:
+  // MLX takes axes, shapes and sizes as 32-bit ints: refuse what would wrap.
+  static int32_t int32(int64_t x) {
+    if (x < INT32_MIN || x > INT32_MAX) {
+      throw std::invalid_argument("integer argument " + std::to_string(x) + " does not fit in 32 bits");
+    }
+    return static_cast<int32_t>(x);
+  }
+
   const std::vector<array>& t_;
   rust::Slice<const int64_t> i_;
   rust::Slice<const double> f_;
   rust::Slice<const rust::String> s_;
   size_t ti_ = 0, ii_ = 0, fi_ = 0, si_ = 0;
 };
+
+// MLX does not survive an allocation it cannot make (it crashes the process), so an op
+// whose output alone is larger than the memory limit is refused before anything runs.
+inline void check_outputs(const std::vector<array>& outs) {
+  const double limit = static_cast<double>(mlx::core::get_memory_limit());
+  for (const auto& a : outs) {
+    double bytes = a.itemsize();
+    for (auto d : a.shape()) bytes *= d;
+    if (bytes > limit) {
+      throw std::invalid_argument("output of " + std::to_string(bytes / 1e9) + " GB exceeds the memory limit of " +
+                                  std::to_string(limit / 1e9) + " GB");
+    }
+  }
+}
 
 inline std::vector<array> outputs(array a) { return {std::move(a)}; }
 inline std::vector<array> outputs(std::vector<array> v) { return v; }
