@@ -26,6 +26,11 @@ defmodule Emily.Native do
   #{for row <- Emily.Native.Table.rows(), row.kind == :generated, into: "" do
     "  * `#{row.name}` (#{row.family})\n"
   end}
+
+  ## MLX ops not exposed, and why
+  #{for {family, text} <- Emily.Native.Table.not_exposed(), into: "" do
+    "  * #{family}: #{text}\n"
+  end}
   """
 
   @on_load :__load_nif__

@@ -15,6 +15,35 @@ defmodule Emily.Native.Table do
     for file <- files(), row <- parse(file), do: row
   end
 
+  @doc """
+  The MLX ops each family deliberately leaves out, with the reasons: the `# Not exposed:`
+  comment of each table file, as `{family, text}`.
+  """
+  def not_exposed do
+    for file <- files(),
+        text = not_exposed(File.read!(file)),
+        text != nil,
+        do: {Path.basename(file, ".ops"), text}
+  end
+
+  defp not_exposed(source) do
+    case String.split(source, "# Not exposed:", parts: 2) do
+      [_, rest] ->
+        [first | more] = String.split(rest, "\n")
+
+        continued =
+          more
+          |> Enum.take_while(&String.starts_with?(&1, "#"))
+          |> Enum.map(&String.trim(String.trim_leading(&1, "#")))
+          |> Enum.take_while(&(&1 != ""))
+
+        Enum.join([String.trim(first) | continued], " ")
+
+      _ ->
+        nil
+    end
+  end
+
   defp parse(file) do
     family = Path.basename(file, ".ops")
 
