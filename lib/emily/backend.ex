@@ -878,7 +878,8 @@ if Code.ensure_loaded?(Nx) do
             # (wrapping like Nx's).
             a = reshape(a, s, {batch, m, k, 1})
             b = reshape(b, s, {batch, 1, k, n})
-            N.sum(s, N.multiply(s, a, b), [2], false)
+            # (MLX sums narrow integers into 32 bits.)
+            N.astype(s, N.sum(s, N.multiply(s, a, b), [2], false), type)
 
           _ when bl == [] ->
             N.matmul(s, reshape(a, s, {m, k}), reshape(b, s, {k, n}))
