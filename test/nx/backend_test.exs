@@ -594,6 +594,9 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    def forward(event, measurements, meta, {pid, ref}),
+      do: send(pid, {ref, event, measurements, meta})
+
     describe "fallback" do
       test "emits telemetry with the op and input shapes" do
         ref = make_ref()
@@ -602,8 +605,8 @@ if Code.ensure_loaded?(Nx) do
         :telemetry.attach_many(
           inspect(ref),
           [[:emily, :fallback, :start], [:emily, :fallback, :stop]],
-          fn event, measurements, meta, _ -> send(pid, {ref, event, measurements, meta}) end,
-          nil
+          &__MODULE__.forward/4,
+          {pid, ref}
         )
 
         try do
