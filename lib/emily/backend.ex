@@ -105,6 +105,10 @@ if Code.ensure_loaded?(Nx) do
                   reduce_min: 3,
                   argmax: 3,
                   argmin: 3,
+                  window_sum: 4,
+                  window_product: 4,
+                  window_max: 4,
+                  window_min: 4,
                   to_batched: 3
                 ] ++
                   Enum.map(
@@ -559,6 +563,66 @@ if Code.ensure_loaded?(Nx) do
       wrap(reshape(idx, s, out_shape), out, s)
     end
 
+    ## Window reductions
+    #
+    # A box window reduces one axis at a time (the reductions are associative), each
+    # axis as the combination of one strided slice per window position: sum(w_i) slices
+    # rather than prod(w_i).
+
+    defp n_window_sum(out, t, window, opts), do: window(:add, 0, out, t, window, opts)
+    defp n_window_product(out, t, window, opts), do: window(:multiply, 1, out, t, window, opts)
+    defp n_window_max(out, t, window, opts), do: window(:maximum, :min, out, t, window, opts)
+    defp n_window_min(out, t, window, opts), do: window(:minimum, :max, out, t, window, opts)
+
+    defp window(op, identity, %T{type: type, shape: out_shape} = out, t, window, opts) do
+      s = stream([t], type)
+      rank = tuple_size(t.shape)
+      strides = opts[:strides] || List.duplicate(1, rank)
+      padding = opts[:padding] || List.duplicate({0, 0}, rank)
+      dilations = opts[:window_dilations] || List.duplicate(1, rank)
+
+      identity =
+        case identity do
+          :min -> N.from_binary(s, Nx.Type.min_binary(type), {}, type)
+          :max -> N.from_binary(s, Nx.Type.max_binary(type), {}, type)
+          n -> scalar(s, n, type, {})
+        end
+
+      axes =
+        Enum.zip([0..(rank - 1)//1, Tuple.to_list(window), strides, padding, dilations])
+
+      {x, _dims} =
+        Enum.reduce(axes, {ref(t, s, type), Tuple.to_list(t.shape)}, fn
+          {_axis, 1, 1, {0, 0}, _}, acc ->
+            acc
+
+          {axis, w, stride, {lo, hi}, dilation}, {x, dims} ->
+            {x, dims} = pad_edge(s, x, dims, axis, lo, identity, :low)
+            {x, dims} = pad_edge(s, x, dims, axis, hi, identity, :high)
+            n = elem(out_shape, axis)
+
+            positions =
+              for k <- 0..(w - 1) do
+                start = k * dilation
+
+                slice_axis_strided(
+                  s,
+                  x,
+                  axis,
+                  start,
+                  start + max(n - 1, 0) * stride + 1,
+                  stride,
+                  rank
+                )
+              end
+
+            x = Enum.reduce(tl(positions), hd(positions), &apply(N, op, [s, &2, &1]))
+            {x, List.replace_at(dims, axis, n)}
+        end)
+
+      wrap(x, out, s)
+    end
+
     ## Elementwise binary ops
 
     @arith %{
@@ -619,9 +683,17 @@ if Code.ensure_loaded?(Nx) do
     # result is nonzero and the signs differ.
     defp n_remainder(%T{type: type} = out, l, r) do
       s = stream([l, r], type)
-      a = ref(l, s, type)
-      b = ref(r, s, type)
-      wrap(trunc_remainder(s, a, b, type), out, s)
+
+      case type do
+        # In half precision the sign fix-up below would round twice: work in f32.
+        {k, 16} when k in [:f, :bf] ->
+          a = ref(l, s, {:f, 32})
+          b = ref(r, s, {:f, 32})
+          wrap(N.astype(s, trunc_remainder(s, a, b, {:f, 32}), type), out, s)
+
+        _ ->
+          wrap(trunc_remainder(s, ref(l, s, type), ref(r, s, type), type), out, s)
+      end
     end
 
     defp trunc_remainder(s, a, b, {:u, _} = _type), do: N.remainder(s, a, b)
@@ -1103,6 +1175,14 @@ if Code.ensure_loaded?(Nx) do
       starts = List.duplicate(0, rank) |> List.replace_at(axis, from)
       stops = List.duplicate(big, rank) |> List.replace_at(axis, from + len)
       N.slice(s, x, starts, stops, List.duplicate(1, rank))
+    end
+
+    defp slice_axis_strided(s, x, axis, from, to, stride, rank) do
+      big = 2_147_483_647
+      starts = List.duplicate(0, rank) |> List.replace_at(axis, from)
+      stops = List.duplicate(big, rank) |> List.replace_at(axis, to)
+      strides = List.duplicate(1, rank) |> List.replace_at(axis, stride)
+      N.slice(s, x, starts, stops, strides)
     end
 
     # Nx's pad: per axis {low, high, interior}; negative low/high crop.

@@ -501,12 +501,35 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
-      test "window ops, sort, argsort, reduce (fallback)" do
+      test "window sum, product, max and min with strides, padding and dilations" do
+        for op <- [:window_sum, :window_product, :window_max, :window_min], _ <- 1..@trials do
+          shape = O.shape(1)
+          dims = Tuple.to_list(shape)
+          type = Enum.random(O.real_types())
+          domain = if op == :window_product, do: {:range, -1, 1}, else: :small
+          t = O.tensor(shape, type, domain)
+          window = Enum.map(dims, &Enum.random(1..&1))
+          strides = Enum.map(dims, fn _ -> Enum.random(1..2) end)
+
+          dilations =
+            Enum.zip_with(dims, window, fn d, w ->
+              if (w - 1) * 2 + 1 <= d, do: Enum.random(1..2), else: 1
+            end)
+
+          padding =
+            Enum.random([
+              :valid,
+              :same,
+              Enum.map(dims, fn _ -> {Enum.random(0..1), Enum.random(0..1)} end)
+            ])
+
+          opts = [strides: strides, padding: padding, window_dilations: dilations]
+          check(&apply(Nx, op, [&1, List.to_tuple(window), opts]), [t])
+        end
+      end
+
+      test "sort, argsort, reduce, window_scatter (fallback)" do
         t = O.tensor({4, 5}, {:f, 32}, :small)
-        check(&Nx.window_sum(&1, {2, 2}), [t])
-        check(&Nx.window_max(&1, {2, 3}, strides: [1, 2], padding: :same), [t])
-        check(&Nx.window_min(&1, {2, 2}), [t])
-        check(&Nx.window_product(&1, {1, 2}), [t])
         check(&Nx.sort(&1, axis: 1, direction: :desc), [t])
         check(&Nx.argsort(&1, axis: 0, stable: true), [t])
         check(&Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end), [t])
