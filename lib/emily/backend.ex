@@ -62,10 +62,12 @@ if Code.ensure_loaded?(Nx) do
     """
 
     @behaviour Nx.Backend
+    # `evaluated: true` records that the array is known to be evaluated, so other
+    # streams can use it without asking its worker first.
     @enforce_keys [:ref, :stream]
-    defstruct [:ref, :stream]
+    defstruct [:ref, :stream, evaluated: false]
 
-    @type t :: %__MODULE__{ref: Emily.tensor(), stream: Emily.Stream.t()}
+    @type t :: %__MODULE__{ref: Emily.tensor(), stream: Emily.Stream.t(), evaluated: boolean}
 
     alias Nx.Tensor, as: T
     alias Emily.Backend, as: B
@@ -994,6 +996,17 @@ if Code.ensure_loaded?(Nx) do
 
     def block(struct, _out, args, fun), do: apply(fun, [struct | args])
 
+    @doc false
+    # Makes `t` usable from `stream` without a round trip per op: evaluates it on its own
+    # stream if it lives on another one, and records that it is evaluated.
+    def for_stream(%T{data: %B{stream: s}} = t, s), do: t
+    def for_stream(%T{data: %B{evaluated: true}} = t, _s), do: t
+
+    def for_stream(%T{data: %B{ref: ref} = data} = t, _s) do
+      Emily.eval(ref)
+      %{t | data: %{data | evaluated: true}}
+    end
+
     ## Streams and tensors
 
     # The stream an op runs on: the process's stream if one is set, else the stream of
@@ -1034,6 +1047,7 @@ if Code.ensure_loaded?(Nx) do
 
     # The MLX array of `t` usable on stream `s`.
     defp ref(%T{data: %B{ref: ref, stream: s}}, s), do: ref
+    defp ref(%T{data: %B{ref: ref, evaluated: true}}, _s), do: ref
 
     defp ref(%T{data: %B{ref: ref}}, _s) do
       # Only evaluated arrays cross streams.

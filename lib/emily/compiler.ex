@@ -44,13 +44,19 @@ if Code.ensure_loaded?(Nx) do
 
     @impl true
     def __compile__(key, vars, fun, opts) do
-      backend = __to_backend__(opts)
-      stream = opts[:stream]
-
+      # The native path plugs in here: lower `fun.(vars)` once to a native MLX program
+      # and return a runner that replays it per argument list, sending the graphs it
+      # cannot lower to the evaluator below with this same telemetry event.
       if opts[:native] do
         evaluator_fallback(:no_native_program)
       end
 
+      evaluator(key, vars, fun, opts)
+    end
+
+    defp evaluator(key, vars, fun, opts) do
+      backend = __to_backend__(opts)
+      stream = opts[:stream]
       evaluator_opts = Keyword.drop(opts, [:device, :stream, :native])
 
       compiled =
@@ -60,8 +66,10 @@ if Code.ensure_loaded?(Nx) do
 
       fn args_list ->
         in_context(stream, backend, fn ->
+          target = Emily.Stream.selected()
+
           Enum.flat_map(args_list, fn args ->
-            compiled.([Enum.map(args, &to_emily(&1, backend))])
+            compiled.([Enum.map(args, &to_emily(&1, backend, target))])
           end)
         end)
       end
@@ -95,11 +103,13 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # Parameters arrive as thunks; ones on other backends are copied in so the graph's
-    # ops dispatch to Emily.Backend.
-    defp to_emily(thunk, backend) do
+    # ops dispatch to Emily.Backend, and ones lazy on another stream are evaluated there
+    # once, not at each use.
+    defp to_emily(thunk, backend, target) do
       fn ->
         case thunk.() do
-          %Nx.Tensor{data: %Emily.Backend{}} = t -> t
+          %Nx.Tensor{data: %Emily.Backend{}} = t when target == nil -> t
+          %Nx.Tensor{data: %Emily.Backend{}} = t -> Emily.Backend.for_stream(t, target)
           %Nx.Tensor{data: %Nx.Defn.Expr{}} = t -> t
           %Nx.Tensor{} = t -> Nx.backend_copy(t, backend)
           other -> other

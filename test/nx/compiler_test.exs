@@ -246,6 +246,13 @@ if Code.ensure_loaded?(Nx) do
         assert out.data.stream == s
         out = ejit(&softmax/1, device: :cpu).(Nx.iota({2, 2}, type: :f32))
         assert Emily.Stream.device(out.data.stream) == :cpu
+
+        # An input still lazy on another stream is evaluated there, then used here.
+        other = Emily.Stream.new(:cpu)
+        lazy = Emily.Stream.with_stream(other, fn -> Nx.multiply(Nx.iota({2}, type: :f32), 0) end)
+        out = ejit(&softmax/1, stream: s).(lazy)
+        assert out.data.stream == s
+        assert Nx.to_flat_list(out) == [0.5, 0.5]
       end
 
       test "__partitions_options__ gives each partition its own stream" do
