@@ -1013,7 +1013,7 @@ if Code.ensure_loaded?(Nx) do
     # the first Emily input, else the default one; f64 work goes to the CPU.
     defp stream(inputs, type) do
       s = Emily.Stream.selected() || first_stream(inputs) || Emily.Stream.current()
-      route(s, [type | Enum.map(inputs, & &1.type)])
+      route(s, fn -> type == {:f, 64} or Enum.any?(inputs, &(&1.type == {:f, 64})) end)
     end
 
     defp first_stream([%T{data: %B{stream: s}} | _]), do: s
@@ -1034,11 +1034,11 @@ if Code.ensure_loaded?(Nx) do
               else: Emily.Stream.default(device)
         end
 
-      route(s, [type])
+      route(s, fn -> type == {:f, 64} end)
     end
 
-    defp route(s, types) do
-      if {:f, 64} in types and :gpu in Emily.devices() and Emily.Stream.device(s) == :gpu do
+    defp route(s, f64?) do
+      if :gpu in Emily.devices() and f64?.() and Emily.Stream.device(s) == :gpu do
         Emily.Stream.default(:cpu)
       else
         s

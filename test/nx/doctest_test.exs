@@ -64,6 +64,26 @@ if Code.ensure_loaded?(Nx) do
 
     doctest Nx.Random, except: @rounding_error
   end
+
+  # Nx's backend documentation guides, where the Nx dependency ships them.
+  nx_dir = Mix.Project.deps_paths()[:nx]
+
+  guides =
+    if nx_dir, do: Path.wildcard(Path.join(nx_dir, "guides/backend_documentation/*.md")), else: []
+
+  if guides != [] do
+    defmodule Emily.Nx.GuidesDoctestTest do
+      use ExUnit.Case, async: true
+      @moduletag :nx
+
+      setup do
+        Nx.default_backend(Emily.Backend)
+        :ok
+      end
+
+      for guide <- guides, do: doctest_file(guide)
+    end
+  end
 else
   for {name, what} <- [
         {Emily.Nx.DoctestTest, "Nx"},
