@@ -5,8 +5,8 @@
 #
 #     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick]
 #
-# Prints the median time per call of each (the result read back to the host, so the
-# MLX work is included) and the ratio.
+# Prints the graph's op count, the median time per call of each (the result read back
+# to the host, so the MLX work is included), the ratio, and Emily's time per op.
 unless Code.ensure_loaded?(Nx) do
   raise "bench/defn.exs needs Nx (see the comment at the top)"
 end
@@ -94,6 +94,22 @@ defmodule Bench.Defn do
 
   def to_emily(container), do: Nx.backend_copy(container, Emily.Backend)
 
+  # The number of op nodes in the defn graph (parameters and constants aside).
+  def count_ops(fun, args) do
+    expr = apply(Nx.Defn.debug_expr(fun), args)
+    {_, ids} = Nx.Defn.Composite.traverse(expr, %{}, &count/2)
+    map_size(ids)
+  end
+
+  defp count(%Nx.Tensor{data: %Nx.Defn.Expr{id: id, op: op}} = t, acc) do
+    if Map.has_key?(acc, id) or op in [:parameter, :constant, :tensor] do
+      {t, acc}
+    else
+      {_, acc} = Nx.Defn.Tree.apply_args(t, Map.put(acc, id, op), &count/2)
+      {t, acc}
+    end
+  end
+
   def run(name, fun, args, emily_runs, binary_runs) do
     emily = Nx.Defn.jit(fun, compiler: Emily.Compiler)
     binary = Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator)
@@ -111,11 +127,15 @@ defmodule Bench.Defn do
         median_us(fn -> apply(binary, args) |> Nx.to_binary() end, binary_runs)
       end)
 
+    ops = count_ops(fun, args)
+
     IO.puts(
       String.pad_trailing(name, 34) <>
+        String.pad_leading("#{ops}", 5) <>
         String.pad_leading(fmt(t_emily), 12) <>
         String.pad_leading(fmt(t_binary), 14) <>
         String.pad_leading("#{Float.round(t_binary / t_emily, 1)}x", 10) <>
+        String.pad_leading("#{Float.round(t_emily / ops, 1)} us", 10) <>
         "   max |diff| #{Float.round(diff, 7)}"
     )
   end
@@ -134,8 +154,10 @@ IO.puts(
 
 IO.puts(
   String.pad_trailing("", 34) <>
+    String.pad_leading("ops", 5) <>
     String.pad_leading("Emily", 12) <>
-    String.pad_leading("BinaryBackend", 14) <> String.pad_leading("speedup", 10)
+    String.pad_leading("BinaryBackend", 14) <>
+    String.pad_leading("speedup", 10) <> String.pad_leading("per op", 10)
 )
 
 {batch, din, hidden, dout} = if quick?, do: {8, 128, 128, 10}, else: {16, 512, 256, 10}
