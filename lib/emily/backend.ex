@@ -41,10 +41,7 @@ if Code.ensure_loaded?(Nx) do
     and `config :emily, :fallback, :silent | :warn | :raise` chooses whether it also logs
     a warning or raises instead (default `:silent`).
 
-    The ops that fall back today, for every type:
-
-    #{Enum.map_join(Emily.Backend.Catalogue.fallbacks(), "\n", fn {op, why} -> "  * `#{op}` - #{why}" end)}
-
+    `fallbacks/0` lists the ops that fall back for every type, each with the reason.
     Every op on u2/u4/s2/s4, f8, f8_e4m3fn or c128 tensors falls back as well, and so do
     #{Enum.map_join(Emily.Backend.Catalogue.f64_imprecise(), ", ", &"`#{&1}`")} on f64
     (MLX's CPU kernels compute them with f32 accuracy).
@@ -78,89 +75,13 @@ if Code.ensure_loaded?(Nx) do
 
     ## Dispatch
     #
-    # Each op with a native path is listed in @native_ops and implemented by `n_<op>`;
-    # each op without one is listed in @fallback_ops (with the reason, for the moduledoc
-    # catalogue) and runs on Nx.BinaryBackend. Moving an op from one list to the other
-    # and writing its `n_<op>` is the whole change.
-
-    @native_ops [
-                  as_type: 2,
-                  bitcast: 2,
-                  reshape: 2,
-                  squeeze: 3,
-                  broadcast: 4,
-                  transpose: 3,
-                  pad: 4,
-                  reverse: 3,
-                  dot: 7,
-                  clip: 4,
-                  slice: 5,
-                  put_slice: 4,
-                  concatenate: 3,
-                  stack: 3,
-                  select: 4,
-                  all: 3,
-                  any: 3,
-                  sum: 3,
-                  product: 3,
-                  reduce_max: 3,
-                  reduce_min: 3,
-                  argmax: 3,
-                  argmin: 3,
-                  window_sum: 4,
-                  window_product: 4,
-                  window_max: 4,
-                  window_min: 4,
-                  to_batched: 3
-                ] ++
-                  Enum.map(
-                    [:add, :subtract, :multiply, :pow, :remainder, :divide, :atan2] ++
-                      [:min, :max, :quotient, :bitwise_and, :bitwise_or, :bitwise_xor] ++
-                      [:left_shift, :right_shift, :equal, :not_equal, :greater, :less] ++
-                      [:greater_equal, :less_equal, :logical_and, :logical_or, :logical_xor],
-                    &{&1, 3}
-                  ) ++
-                  Enum.map(
-                    [:exp, :expm1, :log, :log1p, :sigmoid, :cos, :sin, :tan, :cosh, :sinh] ++
-                      [:tanh, :acos, :asin, :atan, :acosh, :asinh, :atanh, :sqrt, :rsqrt] ++
-                      [:cbrt, :erf, :erfc, :erf_inv, :abs, :bitwise_not, :ceil, :conjugate] ++
-                      [:floor, :negate, :round, :sign, :count_leading_zeros] ++
-                      [:population_count, :real, :imag, :is_nan, :is_infinity],
-                    &{&1, 2}
-                  )
-
-    @fallback_ops Emily.Backend.Catalogue.fallback_arities()
+    # Every Nx.Backend callback not written out below as a public function is generated
+    # at the end of this module: it calls `n_<op>` (the native path) where that private
+    # function exists, else it falls back to Nx.BinaryBackend. Giving an op a native path
+    # is writing its `n_<op>`.
 
     # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: f64 falls back.
     @f64_imprecise Emily.Backend.Catalogue.f64_imprecise()
-
-    for {name, arity} <- @native_ops do
-      [out | inputs] = args = Macro.generate_arguments(arity, __MODULE__)
-      native = :"n_#{name}"
-
-      native? = quote(do: native_type?(unquote(out)) and native_inputs?(unquote(inputs)))
-
-      native? =
-        if name in @f64_imprecise,
-          do: quote(do: unquote(out).type != {:f, 64} and unquote(native?)),
-          else: native?
-
-      @impl true
-      def unquote(name)(unquote_splicing(args)) do
-        if unquote(native?) do
-          unquote(native)(unquote_splicing(args))
-        else
-          fallback(unquote(name), unquote(args))
-        end
-      end
-    end
-
-    for {name, arity} <- @fallback_ops do
-      args = Macro.generate_arguments(arity, __MODULE__)
-
-      @impl true
-      def unquote(name)(unquote_splicing(args)), do: fallback(unquote(name), unquote(args))
-    end
 
     defp native_type?(%T{type: type}), do: Storage.native?(type)
 
@@ -1252,5 +1173,48 @@ if Code.ensure_loaded?(Nx) do
     defp to_index(%T{} = t), do: Nx.to_number(t)
 
     defp clamp(i, max), do: i |> max(0) |> min(max)
+
+    ## Generated callbacks (see "Dispatch" above)
+
+    generated =
+      for {name, arity} <- Enum.sort(Nx.Backend.behaviour_info(:callbacks)),
+          not Module.defines?(__MODULE__, {name, arity}, :def),
+          do: {name, arity, Module.defines?(__MODULE__, {:"n_#{name}", arity})}
+
+    @fallbacks for {name, _, false} <- generated,
+                   do: {name, Emily.Backend.Catalogue.reason(name)}
+
+    for {name, arity, native?} <- generated do
+      [out | inputs] = args = Macro.generate_arguments(arity, __MODULE__)
+
+      if native? do
+        native = :"n_#{name}"
+        check = quote(do: native_type?(unquote(out)) and native_inputs?(unquote(inputs)))
+
+        check =
+          if name in @f64_imprecise,
+            do: quote(do: unquote(out).type != {:f, 64} and unquote(check)),
+            else: check
+
+        @impl true
+        def unquote(name)(unquote_splicing(args)) do
+          if unquote(check),
+            do: unquote(native)(unquote_splicing(args)),
+            else: fallback(unquote(name), unquote(args))
+        end
+      else
+        @impl true
+        def unquote(name)(unquote_splicing(args)), do: fallback(unquote(name), unquote(args))
+      end
+    end
+
+    @doc """
+    The `Nx.Backend` callbacks that run on `Nx.BinaryBackend` for every type, each with
+    the reason:
+
+    #{Enum.map_join(@fallbacks, "\n", fn {op, why} -> "  * `#{op}` - #{why}" end)}
+    """
+    @spec fallbacks() :: [{atom, String.t()}]
+    def fallbacks, do: @fallbacks
   end
 end
