@@ -46,9 +46,16 @@ if Code.ensure_loaded?(Nx) do
     #{Enum.map_join(Emily.Backend.Catalogue.f64_imprecise(), ", ", &"`#{&1}`")} on f64
     (MLX's CPU kernels compute them with f32 accuracy).
 
-    `block/4` runs natively for `Nx.Block.LogicalNot` and `Nx.Block.Phase` (complex
-    input); the other `Nx.Block` structs run their default implementation, which is made
-    of Nx ops that run on this backend (natively where listed above).
+    Native paths that need the newer op-table rows (index, sort, scan, window, conv, FFT
+    and linalg families) are compiled in where the table has those rows: `gather`,
+    `indexed_add`/`indexed_put`, `sort`/`argsort`, `window_scatter_*` (unpadded; Nx pads
+    with the init value, which the native op never selects), real `conv`, real
+    `triangular_solve`, `fft`/`ifft`, and `block/4` for `Nx.Block.Take`,
+    `TakeAlongAxis`, `TopK`, `Cumulative{Sum,Product,Min,Max}`, `FFT2`, `IFFT2`, `RFFT`,
+    `IRFFT` and `LinAlg.{Cholesky, Solve, QR (reduced), Eigh, SVD, LU, Determinant}`
+    (on a CPU worker: MLX's linalg is CPU-only). `block/4` is always native for
+    `Nx.Block.LogicalNot` and `Nx.Block.Phase` (complex input). Other `Nx.Block` structs
+    run their default implementation, made of Nx ops that run on this backend.
 
     ## Not supported
 
@@ -68,7 +75,7 @@ if Code.ensure_loaded?(Nx) do
 
     alias Nx.Tensor, as: T
     alias Emily.Backend, as: B
-    alias Emily.Backend.{Fallback, Storage}
+    alias Emily.Backend.{Catalogue, Fallback, Storage}
     alias Emily.Native, as: N
 
     @check? Application.compile_env(:emily, :check_shape_and_type, false)
@@ -82,6 +89,24 @@ if Code.ensure_loaded?(Nx) do
 
     # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: f64 falls back.
     @f64_imprecise Emily.Backend.Catalogue.f64_imprecise()
+
+    # `Catalogue.row?(name, args)`: whether the op table has a row `name` taking exactly
+    # `args`. The native paths that need newer rows are compiled in only where it does.
+    @fft? Catalogue.row?(:fft, [:a, :n, :axis]) and Catalogue.row?(:ifft, [:a, :n, :axis])
+    @fft_blocks? Catalogue.row?(:fft2, [:a, :n, :axes]) and
+                   Catalogue.row?(:ifft2, [:a, :n, :axes]) and
+                   Catalogue.row?(:rfft, [:a, :n, :axis]) and
+                   Catalogue.row?(:irfft, [:a, :n, :axis])
+    @triangular? Catalogue.row?(:solve_triangular, [:a, :b, :upper])
+    @scans? Enum.all?(
+              [:cumsum, :cumprod, :cummin, :cummax],
+              &Catalogue.row?(&1, [:a, :axis, :reverse, :inclusive])
+            )
+    @linalg? Enum.all?(
+               [cholesky: [:a, :upper], solve: [:a, :b], qr: [:a], eigh: [:a, :uplo], svd: [:a]] ++
+                 [lu: [:a], det: [:a]],
+               fn {name, args} -> Catalogue.row?(name, args) end
+             )
 
     defp native_type?(%T{type: type}), do: Storage.native?(type)
 
@@ -892,30 +917,404 @@ if Code.ensure_loaded?(Nx) do
 
     defp dims_product(shape, axes), do: Enum.reduce(axes, 1, &(elem(shape, &1) * &2))
 
+    ## Native paths over the full op table
+    #
+    # Each of these is compiled in when the op table has the rows it calls (see `row?/2`
+    # at the top), and the callback falls back to Nx.BinaryBackend otherwise.
+
+    if Catalogue.row?(:gather, [:a, :indices, :axes]) do
+      defp n_gather(%T{type: type} = out, t, indices, opts) do
+        s = stream([t, indices], type)
+        wrap(N.gather(s, ref(t, s), ref(indices, s), opts[:axes]), out, s)
+      end
+    end
+
+    if Catalogue.row?(:scatter, [:a, :indices, :updates, :axes]) and
+         Catalogue.row?(:scatter_add, [:a, :indices, :updates, :axes]) do
+      defp n_indexed_put(out, t, indices, updates, opts),
+        do: scatter(:scatter, out, t, indices, updates, opts)
+
+      defp n_indexed_add(out, t, indices, updates, opts),
+        do: scatter(:scatter_add, out, t, indices, updates, opts)
+
+      defp scatter(op, %T{type: type} = out, t, indices, updates, opts) do
+        s = stream([t, indices, updates], type)
+        args = [s, ref(t, s, type), ref(indices, s), ref(updates, s, type), opts[:axes]]
+        wrap(apply(N, op, args), out, s)
+      end
+    end
+
+    if Catalogue.row?(:sort, [:a, :axis, :descending]) and
+         Catalogue.row?(:argsort, [:a, :axis, :descending]) do
+      # MLX's (Emily's) sorts are stable in both directions, so :stable needs nothing.
+      defp n_sort(%T{type: type} = out, t, opts) do
+        s = stream([t], type)
+        wrap(N.sort(s, ref(t, s), opts[:axis], opts[:direction] == :desc), out, s)
+      end
+
+      defp n_argsort(%T{type: type} = out, t, opts) do
+        s = stream([t], type)
+        x = N.argsort(s, ref(t, s), opts[:axis], opts[:direction] == :desc)
+        wrap(N.astype(s, x, type), out, s)
+      end
+    end
+
+    if Catalogue.row?(:window_scatter_max, [:a, :source, :init, :window, :strides, :lo, :hi]) and
+         Catalogue.row?(:window_scatter_min, [:a, :source, :init, :window, :strides, :lo, :hi]) do
+      defp n_window_scatter_max(out, t, source, init, window, opts),
+        do: window_scatter(:window_scatter_max, out, t, source, init, window, opts)
+
+      defp n_window_scatter_min(out, t, source, init, window, opts),
+        do: window_scatter(:window_scatter_min, out, t, source, init, window, opts)
+
+      # Nx pads the tensor with the init value, so a padded place can win a window (and
+      # its update is then dropped); the native op never picks padding. With padding
+      # the op falls back; without, the two agree.
+      defp window_scatter(op, out, t, source, init, window, opts) do
+        if Enum.all?(opts[:padding], &(&1 == {0, 0})) do
+          %T{type: type} = out
+          s = stream([t, source, init], type)
+          zeros = List.duplicate(0, tuple_size(window))
+          args = [s, ref(t, s), ref(source, s, type), ref(init, s, type), Tuple.to_list(window)]
+          wrap(apply(N, op, args ++ [opts[:strides], zeros, zeros]), out, s)
+        else
+          fallback(op, [out, t, source, init, window, opts])
+        end
+      end
+    end
+
+    if Catalogue.row?(:conv, [
+         :input,
+         :kernel,
+         :strides,
+         :padding_lo,
+         :padding_hi,
+         :input_dilation,
+         :kernel_dilation,
+         :feature_group_size,
+         :batch_group_size,
+         :input_permutation,
+         :kernel_permutation,
+         :output_permutation
+       ]) do
+      defp n_conv(%T{type: {:c, _}} = out, t, k, opts), do: fallback(:conv, [out, t, k, opts])
+
+      defp n_conv(%T{type: type} = out, t, k, opts) do
+        s = stream([t, k], type)
+        {lo, hi} = Enum.unzip(opts[:padding])
+
+        x =
+          N.conv(
+            s,
+            ref(t, s, type),
+            ref(k, s, type),
+            opts[:strides],
+            lo,
+            hi,
+            opts[:input_dilation],
+            opts[:kernel_dilation],
+            opts[:feature_group_size],
+            opts[:batch_group_size],
+            opts[:input_permutation] || [],
+            opts[:kernel_permutation] || [],
+            opts[:output_permutation] || []
+          )
+
+        wrap(x, out, s)
+      end
+    end
+
+    if @triangular? do
+      # Nx's options map onto one lower/upper solve a x = b: a transposed a swaps lower
+      # and upper; x a = b is a^T x^T = b^T.
+      defp n_triangular_solve(%T{type: {:c, _}} = out, a, b, opts),
+        do: fallback(:triangular_solve, [out, a, b, opts])
+
+      defp n_triangular_solve(%T{type: type} = out, a, b, opts) do
+        s = cpu(stream([a, b], type))
+        rank = tuple_size(a.shape)
+        x = ref(a, s, type)
+        y = ref(b, s, type)
+        lower? = opts[:lower]
+        left? = opts[:left_side]
+        transpose? = opts[:transform_a] == :transpose
+        # Solving x a = b: a^T x^T = b^T.
+        {x, lower?} =
+          if transpose? != not left?, do: {swap_last(s, x, rank), not lower?}, else: {x, lower?}
+
+        vector? = tuple_size(b.shape) == rank - 1
+
+        y =
+          cond do
+            vector? -> N.expand_dims(s, y, [-1])
+            left? -> y
+            true -> swap_last(s, y, rank)
+          end
+
+        r = N.solve_triangular(s, x, y, not lower?)
+
+        r =
+          cond do
+            vector? -> N.squeeze(s, r, [-1])
+            left? -> r
+            true -> swap_last(s, r, rank)
+          end
+
+        wrap(r, out, s)
+      end
+
+      defp swap_last(s, x, rank) do
+        axes = Enum.to_list(0..(rank - 3)//1) ++ [rank - 1, rank - 2]
+        N.transpose(s, x, axes)
+      end
+    end
+
+    if @fft? do
+      defp n_fft(out, t, opts), do: fft(:fft, out, t, opts)
+      defp n_ifft(out, t, opts), do: fft(:ifft, out, t, opts)
+
+      defp fft(op, %T{type: type} = out, t, opts) do
+        s = stream([t], type)
+        x = apply(N, op, [s, ref(t, s, type), opts[:length], opts[:axis]])
+        wrap(clean_fft(s, x, type, opts[:eps]), out, s)
+      end
+    end
+
+    if @fft? or @fft_blocks? do
+      # Nx.BinaryBackend zeroes the components of transform results within `eps` of zero
+      # (which also turns -0.0 into 0.0); so does Emily.
+      defp clean_fft(_s, x, _type, nil), do: x
+
+      defp clean_fft(s, x, {:c, _} = type, eps) do
+        {:c, bits} = type
+        real = {:f, div(bits, 2)}
+        zero = scalar(s, 0, real, {})
+        tol = scalar(s, eps, real, {})
+        clean = fn v -> N.where(s, N.less_equal(s, N.abs(s, v), tol), zero, v) end
+        re = N.astype(s, clean.(N.real(s, x)), type)
+        im = N.astype(s, clean.(N.imag(s, x)), type)
+        N.add(s, re, N.multiply(s, im, scalar(s, Complex.new(0, 1), type, {})))
+      end
+
+      defp clean_fft(s, x, type, eps) do
+        zero = scalar(s, 0, type, {})
+        N.where(s, N.less_equal(s, N.abs(s, x), scalar(s, eps, type, {})), zero, x)
+      end
+    end
+
+    if @triangular? or @linalg? do
+      # MLX's linalg runs on the CPU only; inputs on a GPU stream are evaluated there and
+      # read here.
+      defp cpu(s), do: if(Emily.Stream.device(s) == :cpu, do: s, else: Emily.Stream.default(:cpu))
+    end
+
     ## Blocks
+    #
+    # `block/4` runs a struct natively where `n_block/3` has a clause for it and
+    # `native_block?/3` accepts the arguments (types MLX computes with, supported
+    # options); anything else runs the struct's default implementation, `fun`.
 
     @impl true
-    def block(%Nx.Block.LogicalNot{}, %T{type: type} = out, [%T{} = t], fun) do
-      if native_type?(out) and native_type?(t) do
+    def block(struct, out, args, fun) do
+      if native_block?(struct, out, args),
+        do: n_block(struct, out, args),
+        else: apply(fun, [struct | args])
+    end
+
+    defp native_block?(%Nx.Block.LogicalNot{}, out, [t]),
+      do: native_type?(out) and native_type?(t)
+
+    defp native_block?(%Nx.Block.Phase{}, out, [%T{type: {:c, 64}}]), do: native_type?(out)
+
+    if Catalogue.row?(:take, [:a, :indices, :axis]) and
+         Catalogue.row?(:take_along_axis, [:a, :indices, :axis]) do
+      defp native_block?(%struct{}, out, [t, i])
+           when struct in [Nx.Block.Take, Nx.Block.TakeAlongAxis],
+           do: native_type?(out) and native_type?(t) and native_type?(i)
+    end
+
+    if Catalogue.row?(:topk_sorted, [:a, :k, :axis]) do
+      defp native_block?(%Nx.Block.TopK{}, {v, i}, [%T{type: {kind, _}} = t]),
+        do: native_type?(v) and native_type?(i) and native_type?(t) and kind != :c
+    end
+
+    if @scans? do
+      defp native_block?(%struct{}, out, [t])
+           when struct in [
+                  Nx.Block.CumulativeSum,
+                  Nx.Block.CumulativeProduct,
+                  Nx.Block.CumulativeMin,
+                  Nx.Block.CumulativeMax
+                ],
+           do: native_type?(out) and native_type?(t)
+    end
+
+    if @fft_blocks? do
+      defp native_block?(%struct{}, %T{type: {kind, _}} = out, [t])
+           when struct in [Nx.Block.FFT2, Nx.Block.IFFT2, Nx.Block.RFFT, Nx.Block.IRFFT],
+           do: native_type?(out) and native_type?(t) and kind in [:c, :f]
+    end
+
+    if @linalg? do
+      # LAPACK through MLX, on a CPU worker: real f32/f64 (eigh and svd also c64).
+      defp native_block?(%Nx.Block.LinAlg.QR{mode: mode}, _out, [t]),
+        do: mode == :reduced and linalg_type?(t, [{:f, 32}, {:f, 64}])
+
+      defp native_block?(%struct{}, _out, [t])
+           when struct in [Nx.Block.LinAlg.Eigh, Nx.Block.LinAlg.SVD],
+           do: linalg_type?(t, [{:f, 32}, {:f, 64}, {:c, 64}])
+
+      defp native_block?(%struct{}, _out, [t])
+           when struct in [
+                  Nx.Block.LinAlg.Cholesky,
+                  Nx.Block.LinAlg.LU,
+                  Nx.Block.LinAlg.Determinant
+                ],
+           do: linalg_type?(t, [{:f, 32}, {:f, 64}])
+
+      defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]),
+        do: linalg_type?(a, [{:f, 32}, {:f, 64}]) and linalg_type?(b, [{:f, 32}, {:f, 64}])
+    end
+
+    defp native_block?(_struct, _out, _args), do: false
+
+    defp n_block(%Nx.Block.LogicalNot{}, %T{type: type} = out, [t]) do
+      s = stream([t], type)
+      x = N.logical_not(s, N.astype(s, ref(t, s), :bool))
+      wrap(N.astype(s, x, type), out, s)
+    end
+
+    defp n_block(%Nx.Block.Phase{}, %T{type: type} = out, [t]) do
+      s = stream([t], type)
+      x = ref(t, s)
+      wrap(N.arctan2(s, N.imag(s, x), N.real(s, x)), out, s)
+    end
+
+    if Catalogue.row?(:take, [:a, :indices, :axis]) and
+         Catalogue.row?(:take_along_axis, [:a, :indices, :axis]) do
+      defp n_block(%Nx.Block.Take{axis: axis}, %T{type: type} = out, [t, i]) do
+        s = stream([t, i], type)
+        wrap(N.take(s, ref(t, s), ref(i, s), axis), out, s)
+      end
+
+      defp n_block(%Nx.Block.TakeAlongAxis{axis: axis}, %T{type: type} = out, [t, i]) do
+        s = stream([t, i], type)
+        wrap(N.take_along_axis(s, ref(t, s), ref(i, s), axis), out, s)
+      end
+    end
+
+    if Catalogue.row?(:topk_sorted, [:a, :k, :axis]) do
+      defp n_block(%Nx.Block.TopK{k: k}, {%T{type: vt} = v, %T{type: it} = i}, [t]) do
+        s = stream([t], vt)
+        [values, indices] = N.topk_sorted(s, ref(t, s, vt), k, -1)
+        {wrap(values, v, s), wrap(N.astype(s, indices, it), i, s)}
+      end
+    end
+
+    if @scans? do
+      @scans %{
+        Nx.Block.CumulativeSum => :cumsum,
+        Nx.Block.CumulativeProduct => :cumprod,
+        Nx.Block.CumulativeMin => :cummin,
+        Nx.Block.CumulativeMax => :cummax
+      }
+
+      defp n_block(%struct{axis: axis, reverse: reverse}, %T{type: type} = out, [t])
+           when is_map_key(@scans, struct) do
         s = stream([t], type)
-        x = N.logical_not(s, N.astype(s, ref(t, s), :bool))
+        x = apply(N, Map.fetch!(@scans, struct), [s, ref(t, s, type), axis, reverse, true])
+        # (MLX keeps 8/16-bit integer types in its scans; Nx's out says the type.)
         wrap(N.astype(s, x, type), out, s)
-      else
-        fun.(%Nx.Block.LogicalNot{}, t)
       end
     end
 
-    def block(%Nx.Block.Phase{} = struct, %T{type: type} = out, [%T{type: {:c, 64}} = t], fun) do
-      if native_type?(out) do
+    if @fft_blocks? do
+      defp n_block(%Nx.Block.FFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
+        do: fft_block(:fft2, out, t, [n, axes], eps)
+
+      defp n_block(%Nx.Block.IFFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
+        do: fft_block(:ifft2, out, t, [n, axes], eps)
+
+      defp n_block(%Nx.Block.RFFT{length: n, axis: axis, eps: eps}, out, [t]),
+        do: fft_block(:rfft, out, t, [n, axis], eps)
+
+      defp n_block(%Nx.Block.IRFFT{length: n, axis: axis, eps: eps}, out, [t]),
+        do: fft_block(:irfft, out, t, [n, axis], eps)
+    end
+
+    if @linalg? do
+      defp n_block(%Nx.Block.LinAlg.Cholesky{}, %T{type: type} = out, [t]) do
+        s = cpu(stream([t], type))
+        wrap(N.cholesky(s, ref(t, s, type), false), out, s)
+      end
+
+      defp n_block(%Nx.Block.LinAlg.Solve{}, %T{type: type} = out, [a, b]) do
+        s = cpu(stream([a, b], type))
+        wrap(N.solve(s, ref(a, s, type), ref(b, s, type)), out, s)
+      end
+
+      defp n_block(%Nx.Block.LinAlg.QR{}, {%T{type: type} = q_out, r_out}, [t]) do
+        s = cpu(stream([t], type))
+        [q, r] = N.qr(s, ref(t, s, type))
+        {wrap(q, q_out, s), wrap(r, r_out, s)}
+      end
+
+      defp n_block(%Nx.Block.LinAlg.Eigh{}, {%T{type: vt} = vals_out, %T{type: et} = vecs_out}, [
+             t
+           ]) do
+        s = cpu(stream([t], et))
+        [vals, vecs] = N.eigh(s, ref(t, s, et), "L")
+        {wrap(N.astype(s, vals, vt), vals_out, s), wrap(vecs, vecs_out, s)}
+      end
+
+      defp n_block(%Nx.Block.LinAlg.SVD{full_matrices?: full?}, {u_out, s_out, vt_out}, [t]) do
+        %T{type: type} = u_out
+        s = cpu(stream([t], type))
+        [u, sv, vt] = N.svd(s, ref(t, s, type))
+        # MLX returns the full U and Vt; Nx's shapes say how much of them to keep.
+        u = if full?, do: u, else: crop(s, u, u_out.shape)
+        vt = if full?, do: vt, else: crop(s, vt, vt_out.shape)
+        {wrap(u, u_out, s), wrap(N.astype(s, sv, s_out.type), s_out, s), wrap(vt, vt_out, s)}
+      end
+
+      # MLX gives pivots with a = (l @ u)[pivots]; Nx wants the matrix p with a = p.l.u.
+      defp n_block(%Nx.Block.LinAlg.LU{}, {%T{type: pt} = p_out, %T{type: type} = l_out, u_out}, [
+             t
+           ]) do
+        s = cpu(stream([t], type))
+        [pivots, l, u] = N.lu(s, ref(t, s, type))
+        n = elem(p_out.shape, tuple_size(p_out.shape) - 1)
+        columns = N.arange(s, 0, n, 1, {:u, 32})
+        p = N.equal(s, N.expand_dims(s, N.astype(s, pivots, {:u, 32}), [-1]), columns)
+        {wrap(N.astype(s, p, pt), p_out, s), wrap(l, l_out, s), wrap(u, u_out, s)}
+      end
+
+      defp n_block(%Nx.Block.LinAlg.Determinant{}, %T{type: type} = out, [t]) do
+        s = cpu(stream([t], type))
+        wrap(N.det(s, ref(t, s, type)), out, s)
+      end
+    end
+
+    if @fft_blocks? do
+      defp fft_block(op, %T{type: type} = out, t, args, eps) do
         s = stream([t], type)
-        x = ref(t, s)
-        wrap(N.arctan2(s, N.imag(s, x), N.real(s, x)), out, s)
-      else
-        fun.(struct, t)
+        input = if op in [:rfft], do: ref(t, s), else: ref(t, s, complex_of(t.type))
+        x = apply(N, op, [s, input | args])
+        wrap(clean_fft(s, x, type, eps), out, s)
       end
+
+      defp complex_of({:c, _} = type), do: type
+      defp complex_of(_), do: {:c, 64}
     end
 
-    def block(struct, _out, args, fun), do: apply(fun, [struct | args])
+    if @linalg? do
+      defp linalg_type?(%T{type: type}, types), do: type in types
+
+      defp crop(s, x, shape) do
+        rank = tuple_size(shape)
+        N.slice(s, x, List.duplicate(0, rank), Tuple.to_list(shape), List.duplicate(1, rank))
+      end
+    end
 
     @doc false
     # Makes `t` usable from `stream` without a round trip per op: evaluates it on its own

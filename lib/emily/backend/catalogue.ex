@@ -19,6 +19,16 @@ defmodule Emily.Backend.Catalogue do
     window_reduce: "applies an Elixir function to each window: no MLX equivalent"
   }
 
+  for file <- Emily.Native.Table.files(), do: @external_resource(file)
+
+  @rows for row <- Emily.Native.Table.rows(),
+            row.kind == :generated,
+            into: %{},
+            do: {row.name, Enum.map(row.args, &elem(&1, 0))}
+
+  @doc "Whether the op table has a generated row `name` whose arguments are `args`."
+  def row?(name, args), do: Map.get(@rows, name) == args
+
   @doc "Why `op` falls back."
   def reason(op), do: Map.get(@reasons, op, "no native path yet")
 
