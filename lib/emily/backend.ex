@@ -378,35 +378,82 @@ if Code.ensure_loaded?(Nx) do
 
     ## Slicing, joining and selection
 
+    # Start indices may be tensors (a slice inside a defn loop, say). Where the op table
+    # has the dynamic slice rows they stay on the device; otherwise they are read.
     defp n_slice(out, %T{shape: shape} = t, starts, lengths, strides) do
       s = stream([t], t.type)
+      x = ref(t, s)
 
-      starts =
-        [Tuple.to_list(shape), starts, lengths]
-        |> Enum.zip_with(fn [dim, start, len] -> start |> to_index() |> clamp(dim - len) end)
+      x =
+        if Enum.all?(starts, &is_integer/1),
+          do: static_slice(s, x, shape, starts, lengths, strides),
+          else: dynamic_slice(s, x, shape, starts, lengths, strides)
 
+      wrap(x, out, s)
+    end
+
+    defp static_slice(s, x, shape, starts, lengths, strides) do
+      starts = clamp_starts(shape, starts, lengths)
       # Nx's lengths count input elements; the output has ceil(len / stride) of them.
       stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+      N.slice(s, x, starts, stops, strides)
+    end
 
-      wrap(N.slice(s, ref(t, s), starts, stops, strides), out, s)
+    defp clamp_starts(shape, starts, lengths) do
+      [Tuple.to_list(shape), starts, lengths]
+      |> Enum.zip_with(fn [dim, start, len] -> start |> to_index() |> clamp(dim - len) end)
     end
 
     defp n_put_slice(%T{type: type} = out, %T{shape: shape} = t, starts, %T{} = update) do
       s = stream([t, update], type)
       x = ref(t, s, type)
 
-      starts =
-        [Tuple.to_list(shape), starts, Tuple.to_list(update.shape)]
-        |> Enum.zip_with(fn [dim, start, len] -> start |> to_index() |> clamp(dim - len) end)
+      cond do
+        Nx.size(update.shape) == 0 ->
+          wrap(x, out, s)
 
-      if Nx.size(update.shape) == 0 do
-        wrap(x, out, s)
-      else
-        u = ref(update, s, type)
-        dims = Tuple.to_list(shape)
-        lens = Tuple.to_list(update.shape)
-        wrap(put_slice(s, x, dims, starts, lens, u, 0), out, s)
+        Enum.all?(starts, &is_integer/1) ->
+          wrap(static_put_slice(s, x, shape, starts, update, type), out, s)
+
+        true ->
+          wrap(dynamic_put_slice(s, x, shape, starts, update, type), out, s)
       end
+    end
+
+    defp static_put_slice(s, x, shape, starts, update, type) do
+      lens = Tuple.to_list(update.shape)
+      starts = clamp_starts(shape, starts, lens)
+      put_slice(s, x, Tuple.to_list(shape), starts, lens, ref(update, s, type), 0)
+    end
+
+    if Catalogue.row?(:slice_dynamic, [:a, :starts, :axes, :sizes, :strides]) and
+         Catalogue.row?(:slice_update_dynamic, [:a, :update, :starts, :axes]) do
+      defp dynamic_slice(s, x, shape, starts, lengths, strides) do
+        axes = Enum.to_list(0..(tuple_size(shape) - 1))
+        N.slice_dynamic(s, x, starts_tensor(s, starts), axes, lengths, strides)
+      end
+
+      defp dynamic_put_slice(s, x, shape, starts, update, type) do
+        axes = Enum.to_list(0..(tuple_size(shape) - 1))
+        N.slice_update_dynamic(s, x, ref(update, s, type), starts_tensor(s, starts), axes)
+      end
+
+      # One s64 vector of the start indices, integers and scalar tensors alike.
+      defp starts_tensor(s, starts) do
+        parts =
+          Enum.map(starts, fn
+            i when is_integer(i) -> scalar(s, i, {:s, 64}, {1})
+            %T{} = t -> reshape(ref(t, s, {:s, 64}), s, {1})
+          end)
+
+        N.concatenate(s, parts, 0)
+      end
+    else
+      defp dynamic_slice(s, x, shape, starts, lengths, strides),
+        do: static_slice(s, x, shape, Enum.map(starts, &to_index/1), lengths, strides)
+
+      defp dynamic_put_slice(s, x, shape, starts, update, type),
+        do: static_put_slice(s, x, shape, Enum.map(starts, &to_index/1), update, type)
     end
 
     # Rebuilds `x` around the update one axis at a time: the part before the update's

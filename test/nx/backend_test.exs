@@ -418,8 +418,15 @@ if Code.ensure_loaded?(Nx) do
           starts = Enum.map(dims, &Enum.random(0..(&1 + 1)))
           strides = Enum.map(dims, fn _ -> Enum.random(1..3) end)
           check(&Nx.slice(&1, starts, lengths, strides: strides), [t])
-          tensor_starts = Enum.map(starts, &Nx.tensor(&1, backend: Nx.BinaryBackend))
-          check(&Nx.slice(&1, &2, lengths), [t, tensor_starts])
+          # Tensor starts (of any integer type), alone or mixed with integers.
+          itype = Enum.random([{:s, 32}, {:u, 8}, {:s, 64}])
+
+          tensor_starts =
+            Enum.map(starts, &Nx.tensor(&1, type: itype, backend: Nx.BinaryBackend))
+
+          check(&Nx.slice(&1, &2, lengths, strides: strides), [t, tensor_starts])
+          mixed = Enum.map(tensor_starts, &Enum.random([&1, Nx.to_number(&1)]))
+          check(&Nx.slice(&1, &2, lengths), [t, mixed])
         end
       end
 
@@ -435,6 +442,8 @@ if Code.ensure_loaded?(Nx) do
           u = O.tensor(update_shape, Enum.random(O.real_types()))
           starts = for d <- Tuple.to_list(shape), do: Enum.random(0..d)
           check(&Nx.put_slice(&1, starts, &2), [t, u])
+          tensor_starts = Enum.map(starts, &Nx.tensor(&1, backend: Nx.BinaryBackend))
+          check(&Nx.put_slice(&1, &2, &3), [t, tensor_starts, u])
         end
       end
 
