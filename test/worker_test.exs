@@ -111,6 +111,22 @@ defmodule Emily.WorkerTest do
     assert_close(l(N.exp(b, x)), [7.389056])
   end
 
+  test "with_stream/2 sets the process's stream and selected/0 reports it" do
+    assert Emily.Stream.selected() == nil
+    assert Emily.Stream.current() == Emily.Stream.default()
+    a = Emily.Stream.new(:cpu)
+
+    Emily.Stream.with_stream(a, fn ->
+      assert Emily.Stream.selected() == a
+      assert Emily.Stream.current() == a
+      assert Emily.Native.tensor_on_stream(Emily.from_list([1.0], {:f, 32}), a)
+    end)
+
+    assert Emily.Stream.selected() == nil
+    assert_raise RuntimeError, fn -> Emily.Stream.with_stream(a, fn -> raise "boom" end) end
+    assert Emily.Stream.selected() == nil
+  end
+
   defp measure_tick do
     {us, _} = :timer.tc(fn -> Process.sleep(5) end)
     div(us, 1000)

@@ -50,6 +50,13 @@ defmodule Emily.Stream do
   end
 
   @doc """
+  The stream set for the calling process by `with_stream/2`, or `nil` when none is set
+  (then `current/0` is the default stream).
+  """
+  @spec selected() :: t | nil
+  def selected, do: Process.get(@key)
+
+  @doc """
   Runs `fun` with `stream` as the calling process's stream, restoring the previous one
   afterwards (also when `fun` raises).
   """

@@ -1,0 +1,1666 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Backend do
+    @moduledoc """
+    An `Nx.Backend` on MLX: Nx tensors held in MLX arrays, Nx ops run as MLX ops.
+
+        Nx.default_backend(Emily.Backend)
+        Nx.default_backend({Emily.Backend, device: :cpu})
+
+    MLX is lazy: an op queues an MLX node on the op's stream and returns at once; values
+    are computed when something needs them (`Nx.to_binary/1`, `Nx.to_number/1`,
+    `inspect`, a `while` predicate).
+
+    ## Options
+
+      * `:device` - `:cpu` or `:gpu`; where new tensors (constants, `Nx.tensor/2`,
+        `Nx.iota/2`, transfers) go. Defaults to `Emily.default_device/0`.
+
+    ## Streams
+
+    An op runs on the calling process's stream when one is set with
+    `Emily.Stream.with_stream/2` (`Emily.Compiler` sets one per `Nx.Serving` partition),
+    else on the stream of its first Emily input, else on the default stream. Inputs lazy
+    on another stream are evaluated there first (only evaluated arrays cross streams).
+    `{:f, 64}` runs on the CPU device: MLX has no f64 on GPUs.
+
+    ## Types
+
+    MLX computes with u8-u64, s8-s64, f16, bf16, f32, f64 and c64. Its boolean results
+    come back as u8, as Nx expects. Tensors of the other Nx types are held in MLX too
+    (u2/u4/s2/s4 unpacked to one byte per element, f8, f8_e4m3fn and c128 as raw bytes)
+    and every op on them falls back (below). Nx.BinaryBackend tensors are accepted in any
+    tensor argument; they are copied in.
+
+    ## Fallbacks
+
+    Ops MLX has no path for run on `Nx.BinaryBackend`: the inputs are read out of MLX,
+    the op runs with the default backend pinned to `Nx.BinaryBackend`, and the result
+    goes back into MLX on the op's stream. Each fallback emits
+    `[:emily, :fallback, :start]` and `[:emily, :fallback, :stop]` telemetry (when
+    `:telemetry` is loaded) with `%{op: op, shapes: input_shapes, types: input_types}`,
+    and `config :emily, :fallback, :silent | :warn | :raise` chooses whether it also logs
+    a warning or raises instead (default `:silent`).
+
+    `fallbacks/0` lists the ops that fall back for every type, each with the reason.
+    Every op on u2/u4/s2/s4, f8, f8_e4m3fn or c128 tensors falls back as well, and so do
+    #{Enum.map_join(Emily.Backend.Catalogue.f64_imprecise(), ", ", &"`#{&1}`")} on f64
+    (MLX's CPU kernels compute them with f32 accuracy).
+
+    Native paths that need the newer op-table rows (index, sort, scan, window, conv, FFT
+    and linalg families) are compiled in where the table has those rows: `gather`,
+    `indexed_add`/`indexed_put`, `sort`/`argsort`, `window_scatter_*` (unpadded; Nx pads
+    with the init value, which the native op never selects), real `conv`, real
+    `triangular_solve`, `fft`/`ifft`, and `block/4` for `Nx.Block.Take`,
+    `TakeAlongAxis`, `TopK`, `Cumulative{Sum,Product,Min,Max}`, `FFT2`, `IFFT2`, `RFFT`,
+    `IRFFT` and `LinAlg.{Cholesky, Solve, QR (reduced), Eigh, SVD, LU, Determinant}`
+    (on a CPU worker: MLX's linalg is CPU-only). `block/4` is always native for
+    `Nx.Block.LogicalNot` and `Nx.Block.Phase` (complex input). Other `Nx.Block` structs
+    run their default implementation, made of Nx ops that run on this backend.
+
+    ## Not supported
+
+      * `Nx.to_pointer/2` and `Nx.from_pointer/5`: MLX's buffers are not shared out of
+        the process; both raise `ArgumentError`.
+      * `Nx.backend_deallocate/1` returns `:ok` and leaves the array to the garbage
+        collector: an MLX array is freed when the last tensor holding it is collected.
+    """
+
+    @behaviour Nx.Backend
+    # `evaluated: true` records that the array is known to be evaluated, so other
+    # streams can use it without asking its worker first.
+    @enforce_keys [:ref, :stream]
+    defstruct [:ref, :stream, evaluated: false]
+
+    @type t :: %__MODULE__{ref: Emily.tensor(), stream: Emily.Stream.t(), evaluated: boolean}
+
+    alias Nx.Tensor, as: T
+    alias Emily.Backend, as: B
+    alias Emily.Backend.{Catalogue, Fallback, Storage}
+    alias Emily.Native, as: N
+
+    @check? Application.compile_env(:emily, :check_shape_and_type, false)
+
+    ## Dispatch
+    #
+    # Every Nx.Backend callback not written out below as a public function is generated
+    # at the end of this module: it calls `n_<op>` (the native path) where that private
+    # function exists, else it falls back to Nx.BinaryBackend. Giving an op a native path
+    # is writing its `n_<op>`.
+
+    # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: f64 falls back.
+    @f64_imprecise Emily.Backend.Catalogue.f64_imprecise()
+
+    # `Catalogue.row?(name, args)`: whether the op table has a row `name` taking exactly
+    # `args`. The native paths that need newer rows are compiled in only where it does.
+    @fft? Catalogue.row?(:fft, [:a, :n, :axis]) and Catalogue.row?(:ifft, [:a, :n, :axis])
+    @fft_blocks? Catalogue.row?(:fft2, [:a, :n, :axes]) and
+                   Catalogue.row?(:ifft2, [:a, :n, :axes]) and
+                   Catalogue.row?(:rfft, [:a, :n, :axis]) and
+                   Catalogue.row?(:irfft, [:a, :n, :axis])
+    @triangular? Catalogue.row?(:solve_triangular, [:a, :b, :upper])
+    @scans? Enum.all?(
+              [:cumsum, :cumprod, :cummin, :cummax],
+              &Catalogue.row?(&1, [:a, :axis, :reverse, :inclusive])
+            )
+    @linalg? Enum.all?(
+               [cholesky: [:a, :upper], solve: [:a, :b], qr: [:a], eigh: [:a, :uplo], svd: [:a]] ++
+                 [lu: [:a], det: [:a]],
+               fn {name, args} -> Catalogue.row?(name, args) end
+             )
+
+    defp native_type?(%T{type: type}), do: Storage.native?(type)
+
+    defp native_inputs?([%T{type: type} | rest]),
+      do: Storage.native?(type) and native_inputs?(rest)
+
+    defp native_inputs?([list | rest]) when is_list(list),
+      do: native_inputs?(list) and native_inputs?(rest)
+
+    defp native_inputs?([_ | rest]), do: native_inputs?(rest)
+    defp native_inputs?([]), do: true
+
+    defp fallback(op, [out | inputs] = args) do
+      s = stream(Enum.filter(List.flatten(inputs), &match?(%T{}, &1)), out.type)
+      Fallback.run(op, args, &from_binary_backend(&1, s))
+    end
+
+    defp from_binary_backend(%T{type: type, shape: shape} = t, s) do
+      bin = t |> Nx.BinaryBackend.to_binary(Nx.size(shape)) |> Storage.from_nx_binary(type)
+      ref = N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type))
+      wrap(ref, t, s)
+    end
+
+    ## Options
+
+    @impl true
+    def init([]), do: []
+
+    def init(opts) when is_list(opts) do
+      for opt <- opts do
+        case opt do
+          {:device, device} when device in [:cpu, :gpu] ->
+            :ok
+
+          other ->
+            raise ArgumentError,
+                  "Emily.Backend accepts only the option :device (:cpu or :gpu), got: " <>
+                    inspect(other)
+        end
+      end
+
+      opts
+    end
+
+    ## Creation
+
+    @impl true
+    def constant(%T{type: type, shape: shape} = out, value, opts) do
+      if Storage.native?(type) do
+        s = creation_stream(opts, type)
+        wrap(scalar(s, value, type, shape), out, s)
+      else
+        creation_fallback(:constant, [out, value, []], opts, type)
+      end
+    end
+
+    @impl true
+    def from_binary(%T{type: type, shape: shape} = out, binary, opts) do
+      s = creation_stream(opts, type)
+      binary = if is_list(binary), do: :erlang.list_to_bitstring(binary), else: binary
+      bin = Storage.from_nx_binary(binary, type)
+      wrap(N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type)), out, s)
+    end
+
+    @impl true
+    def eye(%T{type: type, shape: shape} = out, opts) do
+      if Storage.native?(type) do
+        s = creation_stream(opts, type)
+        rank = tuple_size(shape)
+        m = elem(shape, rank - 2)
+        n = elem(shape, rank - 1)
+        ref = N.eye(s, m, n, 0, type)
+        ref = if rank > 2, do: N.broadcast_to(s, ref, shape), else: ref
+        wrap(ref, out, s)
+      else
+        creation_fallback(:eye, [out, []], opts, type)
+      end
+    end
+
+    @impl true
+    def iota(%T{type: type, shape: shape} = out, axis, opts) do
+      if Storage.native?(type) do
+        s = creation_stream(opts, type)
+
+        ref =
+          case axis do
+            nil ->
+              s |> arange(Nx.size(shape), type) |> reshape(s, shape)
+
+            axis ->
+              dim = elem(shape, axis)
+              ones = 1 |> Tuple.duplicate(tuple_size(shape)) |> put_elem(axis, dim)
+              s |> arange(dim, type) |> reshape(s, ones) |> broadcast_to(s, shape)
+          end
+
+        wrap(ref, out, s)
+      else
+        creation_fallback(:iota, [out, axis, []], opts, type)
+      end
+    end
+
+    # MLX's arange steps in the target dtype; half precision loses integers early, so
+    # count in s32 and round once, as Nx does.
+    defp arange(s, n, {kind, 16} = type) when kind in [:f, :bf],
+      do: N.astype(s, N.arange(s, 0, n, 1, {:s, 32}), type)
+
+    defp arange(s, n, {:c, _} = type), do: N.astype(s, N.arange(s, 0, n, 1, {:f, 32}), type)
+    defp arange(s, n, type), do: N.arange(s, 0, n, 1, type)
+
+    defp creation_fallback(op, args, opts, type) do
+      s = creation_stream(opts, type)
+      Fallback.run(op, args, &from_binary_backend(&1, s))
+    end
+
+    ## Conversion and transfer
+
+    @impl true
+    def to_binary(%T{data: %B{ref: ref}, type: type}, limit) do
+      ref |> Emily.to_binary() |> Storage.to_nx_binary(type, limit)
+    end
+
+    @impl true
+    def backend_copy(%T{data: %B{stream: ts}} = t, B, opts) do
+      case opts[:device] do
+        nil ->
+          t
+
+        device ->
+          if Emily.Stream.device(ts) == device,
+            do: t,
+            else: from_binary(t, to_binary(t, Nx.size(t)), opts)
+      end
+    end
+
+    def backend_copy(%T{} = t, Nx.Tensor, _opts), do: t
+
+    def backend_copy(%T{} = t, backend, opts) do
+      backend.from_binary(t, to_binary(t, Nx.size(t)), opts)
+    end
+
+    @impl true
+    def backend_transfer(t, backend, opts), do: backend_copy(t, backend, opts)
+
+    @impl true
+    def backend_deallocate(%T{data: %B{}}), do: :ok
+
+    @impl true
+    def inspect(%T{} = tensor, inspect_opts) do
+      limit = if inspect_opts.limit == :infinity, do: :infinity, else: inspect_opts.limit + 1
+
+      tensor
+      |> to_binary(min(limit, Nx.size(tensor)))
+      |> then(&Nx.Backend.inspect(tensor, &1, inspect_opts))
+      |> maybe_add_signature(tensor)
+    end
+
+    if Application.compile_env(:emily, :add_backend_on_inspect, true) do
+      defp maybe_add_signature(result, %T{data: %B{stream: s}}) do
+        Inspect.Algebra.concat([
+          "Emily.Backend<#{Emily.Stream.device(s)}>",
+          Inspect.Algebra.line(),
+          result
+        ])
+      end
+    else
+      defp maybe_add_signature(result, _tensor), do: result
+    end
+
+    @impl true
+    def to_pointer(_tensor, _opts) do
+      raise ArgumentError,
+            "Emily.Backend does not support Nx.to_pointer/2: MLX buffers are not shared " <>
+              "outside the VM; use Nx.to_binary/1 to read a tensor's data"
+    end
+
+    @impl true
+    def from_pointer(_pointer, _type, _shape, _backend_opts, _opts) do
+      raise ArgumentError,
+            "Emily.Backend does not support Nx.from_pointer/5: MLX cannot adopt foreign " <>
+              "buffers; use Nx.from_binary/3 to bring data in"
+    end
+
+    defp n_to_batched(%T{shape: shape} = out, %T{} = t, opts) do
+      s = stream([t], t.type)
+      x = ref(t, s)
+      batch = elem(shape, 0)
+      size = elem(t.shape, 0)
+      full = div(size, batch)
+      remainder = rem(size, batch)
+      slice0 = fn from, len -> slice_axis(s, x, t.shape, 0, from, len) end
+
+      batches = Stream.map(0..(full - 1)//1, fn i -> wrap(slice0.(i * batch, batch), out, s) end)
+
+      if remainder != 0 and opts[:leftover] == :repeat do
+        last =
+          Stream.map([:last], fn :last ->
+            tail = slice0.(full * batch, remainder)
+            head = slice0.(0, batch - remainder)
+            wrap(N.concatenate(s, [tail, head], 0), out, s)
+          end)
+
+        Stream.concat(batches, last)
+      else
+        batches
+      end
+    end
+
+    ## Shape
+
+    defp n_as_type(%T{type: to} = out, %T{type: from} = t) do
+      s = stream([t], to)
+      wrap(convert(s, ref(t, s), from, to), out, s)
+    end
+
+    defp n_bitcast(%T{type: to, shape: shape} = out, %T{} = t) do
+      s = stream([t], to)
+      bin = Emily.to_binary(ref(t, s))
+      wrap(N.from_binary(s, bin, shape, to), out, s)
+    end
+
+    defp n_reshape(%T{shape: shape} = out, %T{} = t) do
+      s = stream([t], t.type)
+      wrap(reshape(ref(t, s), s, shape), out, s)
+    end
+
+    defp n_squeeze(out, %T{} = t, axes) do
+      s = stream([t], t.type)
+      wrap(N.squeeze(s, ref(t, s), axes), out, s)
+    end
+
+    defp n_broadcast(%T{shape: shape, type: type} = out, %T{} = t, shape, axes) do
+      s = stream([t], type)
+      rank = tuple_size(shape)
+      x = ref(t, s, type)
+
+      x =
+        if tuple_size(t.shape) == rank and axes == Enum.to_list(0..(rank - 1)//1) do
+          x
+        else
+          dims = List.duplicate(1, rank)
+
+          dims =
+            t.shape
+            |> Tuple.to_list()
+            |> Enum.zip(axes)
+            |> Enum.reduce(dims, fn {dim, axis}, acc -> List.replace_at(acc, axis, dim) end)
+
+          reshape(x, s, List.to_tuple(dims))
+        end
+
+      wrap(broadcast_to(x, s, shape), out, s)
+    end
+
+    defp n_transpose(out, %T{} = t, axes) do
+      s = stream([t], t.type)
+      wrap(N.transpose(s, ref(t, s), axes), out, s)
+    end
+
+    defp n_pad(%T{type: type} = out, %T{} = t, %T{} = value, config) do
+      s = stream([t, value], type)
+      value = ref(value, s, type)
+      wrap(pad(s, ref(t, s, type), t.shape, value, config), out, s)
+    end
+
+    defp n_reverse(out, %T{shape: shape} = t, axes) do
+      s = stream([t], t.type)
+      wrap(reverse(s, ref(t, s), shape, axes), out, s)
+    end
+
+    ## Slicing, joining and selection
+
+    # Start indices may be tensors (a slice inside a defn loop, say). Where the op table
+    # has the dynamic slice rows they stay on the device; otherwise they are read.
+    defp n_slice(out, %T{shape: shape} = t, starts, lengths, strides) do
+      s = stream([t], t.type)
+      x = ref(t, s)
+
+      x =
+        if Enum.all?(starts, &is_integer/1),
+          do: static_slice(s, x, shape, starts, lengths, strides),
+          else: dynamic_slice(s, x, shape, starts, lengths, strides)
+
+      wrap(x, out, s)
+    end
+
+    defp static_slice(s, x, shape, starts, lengths, strides) do
+      starts = clamp_starts(shape, starts, lengths)
+      # Nx's lengths count input elements; the output has ceil(len / stride) of them.
+      stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+      N.slice(s, x, starts, stops, strides)
+    end
+
+    defp clamp_starts(shape, starts, lengths) do
+      [Tuple.to_list(shape), starts, lengths]
+      |> Enum.zip_with(fn [dim, start, len] -> start |> to_index() |> clamp(dim - len) end)
+    end
+
+    defp n_put_slice(%T{type: type} = out, %T{shape: shape} = t, starts, %T{} = update) do
+      s = stream([t, update], type)
+      x = ref(t, s, type)
+
+      cond do
+        Nx.size(update.shape) == 0 ->
+          wrap(x, out, s)
+
+        Enum.all?(starts, &is_integer/1) ->
+          wrap(static_put_slice(s, x, shape, starts, update, type), out, s)
+
+        true ->
+          wrap(dynamic_put_slice(s, x, shape, starts, update, type), out, s)
+      end
+    end
+
+    defp static_put_slice(s, x, shape, starts, update, type) do
+      lens = Tuple.to_list(update.shape)
+      starts = clamp_starts(shape, starts, lens)
+      put_slice(s, x, Tuple.to_list(shape), starts, lens, ref(update, s, type), 0)
+    end
+
+    if Catalogue.row?(:slice_dynamic, [:a, :starts, :axes, :sizes, :strides]) and
+         Catalogue.row?(:slice_update_dynamic, [:a, :update, :starts, :axes]) do
+      defp dynamic_slice(s, x, shape, starts, lengths, strides) do
+        axes = Enum.to_list(0..(tuple_size(shape) - 1))
+        N.slice_dynamic(s, x, starts_tensor(s, starts), axes, lengths, strides)
+      end
+
+      defp dynamic_put_slice(s, x, shape, starts, update, type) do
+        axes = Enum.to_list(0..(tuple_size(shape) - 1))
+        N.slice_update_dynamic(s, x, ref(update, s, type), starts_tensor(s, starts), axes)
+      end
+
+      # One s64 vector of the start indices, integers and scalar tensors alike.
+      defp starts_tensor(s, starts) do
+        parts =
+          Enum.map(starts, fn
+            i when is_integer(i) -> scalar(s, i, {:s, 64}, {1})
+            %T{} = t -> reshape(ref(t, s, {:s, 64}), s, {1})
+          end)
+
+        N.concatenate(s, parts, 0)
+      end
+    else
+      defp dynamic_slice(s, x, shape, starts, lengths, strides),
+        do: static_slice(s, x, shape, Enum.map(starts, &to_index/1), lengths, strides)
+
+      defp dynamic_put_slice(s, x, shape, starts, update, type),
+        do: static_put_slice(s, x, shape, Enum.map(starts, &to_index/1), update, type)
+    end
+
+    # Rebuilds `x` around the update one axis at a time: the part before the update's
+    # start, the middle (recursing into the next axis), the part after.
+    defp put_slice(_s, _x, [], [], [], u, _axis), do: u
+
+    defp put_slice(s, x, [dim | dims], [start | starts], [len | lens], u, axis) do
+      if start == 0 and len == dim do
+        put_slice(s, x, dims, starts, lens, u, axis + 1)
+      else
+        rank = axis + length(dims) + 1
+        full = fn from, n -> slice_axis_rank(s, x, axis, from, n, rank) end
+        middle = put_slice(s, full.(start, len), dims, starts, lens, u, axis + 1)
+
+        pieces =
+          [
+            if(start > 0, do: full.(0, start)),
+            middle,
+            if(start + len < dim, do: full.(start + len, dim - start - len))
+          ]
+          |> Enum.reject(&is_nil/1)
+
+        N.concatenate(s, pieces, axis)
+      end
+    end
+
+    defp n_concatenate(%T{type: type} = out, tensors, axis) do
+      s = stream(tensors, type)
+      wrap(N.concatenate(s, Enum.map(tensors, &ref(&1, s, type)), axis), out, s)
+    end
+
+    defp n_stack(%T{type: type} = out, tensors, axis) do
+      s = stream(tensors, type)
+      refs = Enum.map(tensors, &N.expand_dims(s, ref(&1, s, type), [axis]))
+      wrap(N.concatenate(s, refs, axis), out, s)
+    end
+
+    defp n_select(%T{type: type} = out, pred, on_true, on_false) do
+      s = stream([pred, on_true, on_false], type)
+      p = N.astype(s, ref(pred, s), :bool)
+      # MLX broadcasts the three like Nx does: the result has `out`'s shape.
+      wrap(N.where(s, p, ref(on_true, s, type), ref(on_false, s, type)), out, s)
+    end
+
+    defp n_clip(%T{type: type} = out, %T{} = t, %T{} = min, %T{} = max) do
+      s = stream([t, min, max], type)
+      x = N.maximum(s, ref(t, s, type), ref(min, s, type))
+      wrap(N.minimum(s, x, ref(max, s, type)), out, s)
+    end
+
+    ## Reductions
+
+    defp n_sum(out, t, opts), do: reduction(:sum, out, t, opts)
+    defp n_product(out, t, opts), do: reduction(:prod, out, t, opts)
+    defp n_reduce_max(out, t, opts), do: reduction(:max, out, t, opts)
+    defp n_reduce_min(out, t, opts), do: reduction(:min, out, t, opts)
+
+    defp n_all(%T{type: type} = out, %T{} = t, opts) do
+      s = stream([t], type)
+      x = N.all(s, ref(t, s), reduce_axes(t, opts[:axes]), opts[:keep_axes] || false)
+      wrap(N.astype(s, x, type), out, s)
+    end
+
+    defp n_any(%T{type: type} = out, %T{} = t, opts) do
+      s = stream([t], type)
+      x = N.any(s, ref(t, s), reduce_axes(t, opts[:axes]), opts[:keep_axes] || false)
+      wrap(N.astype(s, x, type), out, s)
+    end
+
+    defp reduction(op, %T{type: type} = out, %T{} = t, opts) do
+      s = stream([t], type)
+      x = ref(t, s, type)
+      x = apply(N, op, [s, x, reduce_axes(t, opts[:axes]), opts[:keep_axes] || false])
+      wrap(x, out, s)
+    end
+
+    defp reduce_axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
+    defp reduce_axes(_t, axes), do: axes
+
+    defp n_argmax(out, t, opts), do: arg_reduction(:argmax, out, t, opts)
+    defp n_argmin(out, t, opts), do: arg_reduction(:argmin, out, t, opts)
+
+    defp arg_reduction(op, %T{type: type, shape: out_shape} = out, %T{shape: shape} = t, opts) do
+      s = stream([t], type)
+      x = ref(t, s)
+
+      {x, shape, axis} =
+        case opts[:axis] do
+          nil -> {reshape(x, s, {Nx.size(shape)}), {Nx.size(shape)}, 0}
+          axis -> {x, shape, axis}
+        end
+
+      high? = opts[:tie_break] == :high
+      x = if high?, do: reverse(s, x, shape, [axis]), else: x
+      idx = N.astype(s, apply(N, op, [s, x, axis, false]), type)
+
+      idx =
+        if high?,
+          do: N.subtract(s, scalar(s, elem(shape, axis) - 1, type, {}), idx),
+          else: idx
+
+      wrap(reshape(idx, s, out_shape), out, s)
+    end
+
+    ## Window reductions
+    #
+    # A box window reduces one axis at a time (the reductions are associative), each
+    # axis as the combination of one strided slice per window position: sum(w_i) slices
+    # rather than prod(w_i).
+
+    defp n_window_sum(out, t, window, opts), do: window(:add, 0, out, t, window, opts)
+    defp n_window_product(out, t, window, opts), do: window(:multiply, 1, out, t, window, opts)
+    defp n_window_max(out, t, window, opts), do: window(:maximum, :min, out, t, window, opts)
+    defp n_window_min(out, t, window, opts), do: window(:minimum, :max, out, t, window, opts)
+
+    defp window(op, identity, %T{type: type, shape: out_shape} = out, t, window, opts) do
+      s = stream([t], type)
+      rank = tuple_size(t.shape)
+      strides = opts[:strides] || List.duplicate(1, rank)
+      padding = opts[:padding] || List.duplicate({0, 0}, rank)
+      dilations = opts[:window_dilations] || List.duplicate(1, rank)
+
+      identity =
+        case identity do
+          :min -> N.from_binary(s, Nx.Type.min_binary(type), {}, type)
+          :max -> N.from_binary(s, Nx.Type.max_binary(type), {}, type)
+          n -> scalar(s, n, type, {})
+        end
+
+      axes =
+        Enum.zip([0..(rank - 1)//1, Tuple.to_list(window), strides, padding, dilations])
+
+      {x, _dims} =
+        Enum.reduce(axes, {ref(t, s, type), Tuple.to_list(t.shape)}, fn
+          {_axis, 1, 1, {0, 0}, _}, acc ->
+            acc
+
+          {axis, w, stride, {lo, hi}, dilation}, {x, dims} ->
+            {x, dims} = pad_edge(s, x, dims, axis, lo, identity, :low)
+            {x, dims} = pad_edge(s, x, dims, axis, hi, identity, :high)
+            n = elem(out_shape, axis)
+
+            positions =
+              for k <- 0..(w - 1) do
+                start = k * dilation
+
+                slice_axis_strided(
+                  s,
+                  x,
+                  axis,
+                  start,
+                  start + max(n - 1, 0) * stride + 1,
+                  stride,
+                  rank
+                )
+              end
+
+            x = Enum.reduce(tl(positions), hd(positions), &apply(N, op, [s, &2, &1]))
+            {x, List.replace_at(dims, axis, n)}
+        end)
+
+      wrap(x, out, s)
+    end
+
+    ## Elementwise binary ops
+
+    @arith %{
+      add: :add,
+      subtract: :subtract,
+      multiply: :multiply,
+      divide: :divide,
+      pow: :power,
+      atan2: :arctan2,
+      min: :minimum,
+      max: :maximum,
+      bitwise_and: :bitwise_and,
+      bitwise_or: :bitwise_or,
+      bitwise_xor: :bitwise_xor,
+      left_shift: :left_shift,
+      right_shift: :right_shift
+    }
+
+    for {name, mlx} <- @arith do
+      defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
+        s = stream([l, r], type)
+        wrap(N.unquote(mlx)(s, ref(l, s, type), ref(r, s, type)), out, s)
+      end
+    end
+
+    @compare %{
+      equal: :equal,
+      not_equal: :not_equal,
+      greater: :greater,
+      less: :less,
+      greater_equal: :greater_equal,
+      less_equal: :less_equal
+    }
+
+    for {name, mlx} <- @compare do
+      defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
+        s = stream([l, r], type)
+        common = Nx.Type.merge(l.type, r.type)
+        x = N.unquote(mlx)(s, ref(l, s, common), ref(r, s, common))
+        wrap(N.astype(s, x, type), out, s)
+      end
+    end
+
+    for {name, mlx} <- [
+          logical_and: :logical_and,
+          logical_or: :logical_or,
+          logical_xor: :not_equal
+        ] do
+      defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
+        s = stream([l, r], type)
+        x = N.unquote(mlx)(s, N.astype(s, ref(l, s), :bool), N.astype(s, ref(r, s), :bool))
+        wrap(N.astype(s, x, type), out, s)
+      end
+    end
+
+    # Nx's remainder truncates (the result has the dividend's sign, like `rem/2` and
+    # `fmod`); MLX's floors (the divisor's sign). They differ by one divisor where the
+    # result is nonzero and the signs differ.
+    defp n_remainder(%T{type: type} = out, l, r) do
+      s = stream([l, r], type)
+
+      case type do
+        # In half precision the sign fix-up below would round twice: work in f32.
+        {k, 16} when k in [:f, :bf] ->
+          a = ref(l, s, {:f, 32})
+          b = ref(r, s, {:f, 32})
+          wrap(N.astype(s, trunc_remainder(s, a, b, {:f, 32}), type), out, s)
+
+        _ ->
+          wrap(trunc_remainder(s, ref(l, s, type), ref(r, s, type), type), out, s)
+      end
+    end
+
+    defp trunc_remainder(s, a, b, {:u, _} = _type), do: N.remainder(s, a, b)
+
+    defp trunc_remainder(s, a, b, type) do
+      r = N.remainder(s, a, b)
+      zero = scalar(s, 0, type, {})
+
+      fix =
+        N.logical_and(
+          s,
+          N.not_equal(s, r, zero),
+          N.not_equal(s, N.less(s, r, zero), N.less(s, a, zero))
+        )
+
+      N.where(s, fix, N.subtract(s, r, b), r)
+    end
+
+    # Nx's quotient truncates toward zero; MLX's floor_divide floors.
+    defp n_quotient(%T{type: type} = out, l, r) do
+      s = stream([l, r], type)
+      a = ref(l, s, type)
+      b = ref(r, s, type)
+      q = N.floor_divide(s, a, b)
+
+      q =
+        case type do
+          {:u, _} ->
+            q
+
+          _ ->
+            zero = scalar(s, 0, type, {})
+
+            inexact =
+              N.logical_and(
+                s,
+                N.not_equal(s, N.remainder(s, a, b), zero),
+                N.not_equal(s, N.less(s, a, zero), N.less(s, b, zero))
+              )
+
+            N.where(s, inexact, N.add(s, q, scalar(s, 1, type, {})), q)
+        end
+
+      wrap(q, out, s)
+    end
+
+    ## Elementwise unary ops
+
+    @unary %{
+      exp: :exp,
+      expm1: :expm1,
+      log: :log,
+      log1p: :log1p,
+      sigmoid: :sigmoid,
+      cos: :cos,
+      sin: :sin,
+      tan: :tan,
+      cosh: :cosh,
+      sinh: :sinh,
+      tanh: :tanh,
+      acos: :arccos,
+      asin: :arcsin,
+      atan: :arctan,
+      acosh: :arccosh,
+      asinh: :arcsinh,
+      atanh: :arctanh,
+      sqrt: :sqrt,
+      rsqrt: :rsqrt,
+      erf: :erf,
+      erf_inv: :erfinv,
+      bitwise_not: :bitwise_invert,
+      negate: :negative,
+      sign: :sign
+    }
+
+    for {name, mlx} <- @unary do
+      defp unquote(:"n_#{name}")(%T{type: type} = out, %T{} = t) do
+        s = stream([t], type)
+        wrap(N.unquote(mlx)(s, ref(t, s, type)), out, s)
+      end
+    end
+
+    defp n_erfc(%T{type: type} = out, %T{} = t) do
+      s = stream([t], type)
+      x = N.erf(s, ref(t, s, type))
+      wrap(N.subtract(s, scalar(s, 1, type, {}), x), out, s)
+    end
+
+    # MLX has no cube root: pow(|x|, 1/3) with the sign put back, then one Newton step,
+    # which brings exact cubes back to their integer roots.
+    defp n_cbrt(%T{type: type} = out, %T{} = t) do
+      s = stream([t], type)
+      x = ref(t, s, type)
+      y = N.power(s, N.abs(s, x), scalar(s, 1 / 3, type, {}))
+      y = N.multiply(s, N.sign(s, x), y)
+      y2 = N.multiply(s, y, y)
+
+      step =
+        N.divide(
+          s,
+          N.subtract(s, N.multiply(s, y2, y), x),
+          N.multiply(s, scalar(s, 3, type, {}), y2)
+        )
+
+      refined = N.subtract(s, y, step)
+      ok = N.logical_and(s, N.isfinite(s, refined), N.not_equal(s, y, scalar(s, 0, type, {})))
+      wrap(N.where(s, ok, refined, y), out, s)
+    end
+
+    defp n_abs(%T{type: type} = out, %T{type: in_type} = t) do
+      s = stream([t], type)
+
+      case in_type do
+        {:u, _} -> wrap(ref(t, s), out, s)
+        {:c, _} -> wrap(N.abs(s, ref(t, s)), out, s)
+        _ -> wrap(N.abs(s, ref(t, s, type)), out, s)
+      end
+    end
+
+    for {name, mlx} <- [ceil: :ceil, floor: :floor] do
+      defp unquote(:"n_#{name}")(%T{type: type} = out, %T{} = t) do
+        s = stream([t], type)
+        x = ref(t, s, type)
+
+        case type do
+          {k, _} when k in [:u, :s] -> wrap(x, out, s)
+          _ -> wrap(N.unquote(mlx)(s, x), out, s)
+        end
+      end
+    end
+
+    # Nx rounds half away from zero; MLX rounds half to even. Ties get the truncated
+    # value plus the sign.
+    defp n_round(%T{type: type} = out, %T{} = t) do
+      s = stream([t], type)
+      x = ref(t, s, type)
+
+      case type do
+        {k, _} when k in [:u, :s] ->
+          wrap(x, out, s)
+
+        _ ->
+          r = N.round(s, x, 0)
+          zero = scalar(s, 0, type, {})
+          trunc = N.where(s, N.less(s, x, zero), N.ceil(s, x), N.floor(s, x))
+          tie = N.equal(s, N.abs(s, N.subtract(s, x, trunc)), scalar(s, 0.5, type, {}))
+          wrap(N.where(s, tie, N.add(s, trunc, N.sign(s, x)), r), out, s)
+      end
+    end
+
+    defp n_conjugate(%T{type: type} = out, %T{} = t) do
+      s = stream([t], type)
+      wrap(N.conjugate(s, ref(t, s, type)), out, s)
+    end
+
+    defp n_real(%T{type: type} = out, %T{type: in_type} = t) do
+      s = stream([t], type)
+
+      case in_type do
+        {:c, _} -> wrap(N.real(s, ref(t, s)), out, s)
+        _ -> wrap(ref(t, s, type), out, s)
+      end
+    end
+
+    defp n_imag(%T{type: type, shape: shape} = out, %T{type: in_type} = t) do
+      s = stream([t], type)
+
+      case in_type do
+        {:c, _} -> wrap(N.imag(s, ref(t, s)), out, s)
+        _ -> wrap(scalar(s, 0, type, shape), out, s)
+      end
+    end
+
+    for {name, mlx} <- [is_nan: :isnan, is_infinity: :isinf] do
+      defp unquote(:"n_#{name}")(%T{type: type, shape: shape} = out, %T{type: in_type} = t) do
+        s = stream([t], type)
+
+        case in_type do
+          {k, _} when k in [:u, :s] -> wrap(scalar(s, 0, type, shape), out, s)
+          _ -> wrap(N.astype(s, N.unquote(mlx)(s, ref(t, s)), type), out, s)
+        end
+      end
+    end
+
+    # Bit counts on the unsigned view of the bits (MLX's right shift of a signed value is
+    # arithmetic).
+    defp n_population_count(%T{type: {_, bits} = type} = out, %T{} = t) do
+      s = stream([t], type)
+      u = {:u, bits}
+      x = N.astype(s, ref(t, s, type), u)
+      c = fn v -> scalar(s, v, u, {}) end
+      mask = fn byte -> Enum.reduce(1..div(bits, 8), 0, fn _, acc -> acc * 256 + byte end) end
+      x = N.subtract(s, x, N.bitwise_and(s, N.right_shift(s, x, c.(1)), c.(mask.(0x55))))
+
+      x =
+        N.add(
+          s,
+          N.bitwise_and(s, x, c.(mask.(0x33))),
+          N.bitwise_and(s, N.right_shift(s, x, c.(2)), c.(mask.(0x33)))
+        )
+
+      x = N.bitwise_and(s, N.add(s, x, N.right_shift(s, x, c.(4))), c.(mask.(0x0F)))
+
+      x =
+        if bits > 8,
+          do: N.right_shift(s, N.multiply(s, x, c.(mask.(0x01))), c.(bits - 8)),
+          else: x
+
+      wrap(N.astype(s, x, type), out, s)
+    end
+
+    defp n_count_leading_zeros(%T{type: {_, bits} = type} = out, %T{} = t) do
+      s = stream([t], type)
+      u = {:u, bits}
+      x = N.astype(s, ref(t, s, type), u)
+      zero = scalar(s, 0, u, {})
+
+      {n, x} =
+        bits
+        |> shifts()
+        |> Enum.reduce({scalar(s, bits, u, {}), x}, fn shift, {n, x} ->
+          y = N.right_shift(s, x, scalar(s, shift, u, {}))
+          nonzero = N.not_equal(s, y, zero)
+
+          {N.where(s, nonzero, N.subtract(s, n, scalar(s, shift, u, {})), n),
+           N.where(s, nonzero, y, x)}
+        end)
+
+      wrap(N.astype(s, N.subtract(s, n, x), type), out, s)
+    end
+
+    defp shifts(1), do: []
+    defp shifts(bits), do: [div(bits, 2) | shifts(div(bits, 2))]
+
+    ## Linear algebra
+
+    defp n_dot(%T{type: type, shape: out_shape} = out, l, cl, bl, r, cr, br) do
+      s = stream([l, r], type)
+      a = ref(l, s, type)
+      b = ref(r, s, type)
+      fl = free_axes(l, cl, bl)
+      fr = free_axes(r, cr, br)
+      a = permute(s, a, l.shape, bl ++ fl ++ cl)
+      b = permute(s, b, r.shape, br ++ cr ++ fr)
+      batch = dims_product(l.shape, bl)
+      m = dims_product(l.shape, fl)
+      k = dims_product(l.shape, cl)
+      n = dims_product(r.shape, fr)
+
+      result =
+        case type do
+          {kind, _} when kind in [:u, :s] ->
+            # MLX's matmul is floating point only: integer dots multiply and sum, exactly
+            # (wrapping like Nx's).
+            a = reshape(a, s, {batch, m, k, 1})
+            b = reshape(b, s, {batch, 1, k, n})
+            # (MLX sums narrow integers into 32 bits.)
+            N.astype(s, N.sum(s, N.multiply(s, a, b), [2], false), type)
+
+          _ when bl == [] ->
+            N.matmul(s, reshape(a, s, {m, k}), reshape(b, s, {k, n}))
+
+          _ ->
+            N.matmul(s, reshape(a, s, {batch, m, k}), reshape(b, s, {batch, k, n}))
+        end
+
+      wrap(reshape(result, s, out_shape), out, s)
+    end
+
+    defp free_axes(%T{shape: shape}, contract, batch) do
+      for axis <- 0..(tuple_size(shape) - 1)//1, axis not in contract, axis not in batch, do: axis
+    end
+
+    defp dims_product(shape, axes), do: Enum.reduce(axes, 1, &(elem(shape, &1) * &2))
+
+    ## Native paths over the full op table
+    #
+    # Each of these is compiled in when the op table has the rows it calls (see `row?/2`
+    # at the top), and the callback falls back to Nx.BinaryBackend otherwise.
+
+    if Catalogue.row?(:gather, [:a, :indices, :axes]) do
+      defp n_gather(%T{type: type} = out, t, indices, opts) do
+        s = stream([t, indices], type)
+        wrap(N.gather(s, ref(t, s), ref(indices, s), opts[:axes]), out, s)
+      end
+    end
+
+    if Catalogue.row?(:scatter, [:a, :indices, :updates, :axes]) and
+         Catalogue.row?(:scatter_add, [:a, :indices, :updates, :axes]) do
+      defp n_indexed_put(out, t, indices, updates, opts),
+        do: scatter(:scatter, out, t, indices, updates, opts)
+
+      defp n_indexed_add(out, t, indices, updates, opts),
+        do: scatter(:scatter_add, out, t, indices, updates, opts)
+
+      defp scatter(op, %T{type: type} = out, t, indices, updates, opts) do
+        s = stream([t, indices, updates], type)
+        args = [s, ref(t, s, type), ref(indices, s), ref(updates, s, type), opts[:axes]]
+        wrap(apply(N, op, args), out, s)
+      end
+    end
+
+    if Catalogue.row?(:sort, [:a, :axis, :descending]) and
+         Catalogue.row?(:argsort, [:a, :axis, :descending]) do
+      # MLX's (Emily's) sorts are stable in both directions, so :stable needs nothing.
+      defp n_sort(%T{type: type} = out, t, opts) do
+        s = stream([t], type)
+        wrap(N.sort(s, ref(t, s), opts[:axis], opts[:direction] == :desc), out, s)
+      end
+
+      defp n_argsort(%T{type: type} = out, t, opts) do
+        s = stream([t], type)
+        x = N.argsort(s, ref(t, s), opts[:axis], opts[:direction] == :desc)
+        wrap(N.astype(s, x, type), out, s)
+      end
+    end
+
+    if Catalogue.row?(:window_scatter_max, [:a, :source, :init, :window, :strides, :lo, :hi]) and
+         Catalogue.row?(:window_scatter_min, [:a, :source, :init, :window, :strides, :lo, :hi]) do
+      defp n_window_scatter_max(out, t, source, init, window, opts),
+        do: window_scatter(:window_scatter_max, out, t, source, init, window, opts)
+
+      defp n_window_scatter_min(out, t, source, init, window, opts),
+        do: window_scatter(:window_scatter_min, out, t, source, init, window, opts)
+
+      # Nx pads the tensor with the init value, so a padded place can win a window (and
+      # its update is then dropped); the native op never picks padding. With padding
+      # the op falls back; without, the two agree.
+      defp window_scatter(op, out, t, source, init, window, opts) do
+        if Enum.all?(opts[:padding], &(&1 == {0, 0})) do
+          %T{type: type} = out
+          s = stream([t, source, init], type)
+          zeros = List.duplicate(0, tuple_size(window))
+          args = [s, ref(t, s), ref(source, s, type), ref(init, s, type), Tuple.to_list(window)]
+          wrap(apply(N, op, args ++ [opts[:strides], zeros, zeros]), out, s)
+        else
+          fallback(op, [out, t, source, init, window, opts])
+        end
+      end
+    end
+
+    if Catalogue.row?(:conv, [
+         :input,
+         :kernel,
+         :strides,
+         :padding_lo,
+         :padding_hi,
+         :input_dilation,
+         :kernel_dilation,
+         :feature_group_size,
+         :batch_group_size,
+         :input_permutation,
+         :kernel_permutation,
+         :output_permutation
+       ]) do
+      defp n_conv(%T{type: {:c, _}} = out, t, k, opts), do: fallback(:conv, [out, t, k, opts])
+
+      defp n_conv(%T{type: type} = out, t, k, opts) do
+        s = stream([t, k], type)
+        {lo, hi} = Enum.unzip(opts[:padding])
+
+        x =
+          N.conv(
+            s,
+            ref(t, s, type),
+            ref(k, s, type),
+            opts[:strides],
+            lo,
+            hi,
+            opts[:input_dilation],
+            opts[:kernel_dilation],
+            opts[:feature_group_size],
+            opts[:batch_group_size],
+            opts[:input_permutation] || [],
+            opts[:kernel_permutation] || [],
+            opts[:output_permutation] || []
+          )
+
+        wrap(x, out, s)
+      end
+    end
+
+    if @triangular? do
+      # Nx's options map onto one lower/upper solve a x = b: a transposed a swaps lower
+      # and upper; x a = b is a^T x^T = b^T.
+      defp n_triangular_solve(%T{type: {:c, _}} = out, a, b, opts),
+        do: fallback(:triangular_solve, [out, a, b, opts])
+
+      defp n_triangular_solve(%T{type: type} = out, a, b, opts) do
+        s = cpu(stream([a, b], type))
+        rank = tuple_size(a.shape)
+        x = ref(a, s, type)
+        y = ref(b, s, type)
+        lower? = opts[:lower]
+        left? = opts[:left_side]
+        transpose? = opts[:transform_a] == :transpose
+        # Solving x a = b: a^T x^T = b^T.
+        {x, lower?} =
+          if transpose? != not left?, do: {swap_last(s, x, rank), not lower?}, else: {x, lower?}
+
+        vector? = tuple_size(b.shape) == rank - 1
+
+        y =
+          cond do
+            vector? -> N.expand_dims(s, y, [-1])
+            left? -> y
+            true -> swap_last(s, y, rank)
+          end
+
+        r = N.solve_triangular(s, x, y, not lower?)
+
+        r =
+          cond do
+            vector? -> N.squeeze(s, r, [-1])
+            left? -> r
+            true -> swap_last(s, r, rank)
+          end
+
+        wrap(r, out, s)
+      end
+
+      defp swap_last(s, x, rank) do
+        axes = Enum.to_list(0..(rank - 3)//1) ++ [rank - 1, rank - 2]
+        N.transpose(s, x, axes)
+      end
+    end
+
+    if @fft? do
+      defp n_fft(out, t, opts), do: fft(:fft, out, t, opts)
+      defp n_ifft(out, t, opts), do: fft(:ifft, out, t, opts)
+
+      defp fft(op, %T{type: type} = out, t, opts) do
+        s = stream([t], type)
+        x = apply(N, op, [s, ref(t, s, type), opts[:length], opts[:axis]])
+        wrap(clean_fft(s, x, type, opts[:eps]), out, s)
+      end
+    end
+
+    if @fft? or @fft_blocks? do
+      # Nx.BinaryBackend zeroes the components of transform results within `eps` of zero
+      # (which also turns -0.0 into 0.0); so does Emily.
+      defp clean_fft(_s, x, _type, nil), do: x
+
+      defp clean_fft(s, x, {:c, _} = type, eps) do
+        {:c, bits} = type
+        real = {:f, div(bits, 2)}
+        zero = scalar(s, 0, real, {})
+        tol = scalar(s, eps, real, {})
+        clean = fn v -> N.where(s, N.less_equal(s, N.abs(s, v), tol), zero, v) end
+        re = N.astype(s, clean.(N.real(s, x)), type)
+        im = N.astype(s, clean.(N.imag(s, x)), type)
+        N.add(s, re, N.multiply(s, im, scalar(s, Complex.new(0, 1), type, {})))
+      end
+
+      defp clean_fft(s, x, type, eps) do
+        zero = scalar(s, 0, type, {})
+        N.where(s, N.less_equal(s, N.abs(s, x), scalar(s, eps, type, {})), zero, x)
+      end
+    end
+
+    if @triangular? or @linalg? do
+      # MLX's linalg runs on the CPU only; inputs on a GPU stream are evaluated there and
+      # read here.
+      defp cpu(s), do: if(Emily.Stream.device(s) == :cpu, do: s, else: Emily.Stream.default(:cpu))
+    end
+
+    ## Blocks
+    #
+    # `block/4` runs a struct natively where `n_block/3` has a clause for it and
+    # `native_block?/3` accepts the arguments (types MLX computes with, supported
+    # options); anything else runs the struct's default implementation, `fun`.
+
+    @impl true
+    def block(struct, out, args, fun) do
+      if native_block?(struct, out, args),
+        do: n_block(struct, out, args),
+        else: apply(fun, [struct | args])
+    end
+
+    defp native_block?(%Nx.Block.LogicalNot{}, out, [t]),
+      do: native_type?(out) and native_type?(t)
+
+    defp native_block?(%Nx.Block.Phase{}, out, [%T{type: {:c, 64}}]), do: native_type?(out)
+
+    if Catalogue.row?(:take, [:a, :indices, :axis]) and
+         Catalogue.row?(:take_along_axis, [:a, :indices, :axis]) do
+      defp native_block?(%struct{}, out, [t, i])
+           when struct in [Nx.Block.Take, Nx.Block.TakeAlongAxis],
+           do: native_type?(out) and native_type?(t) and native_type?(i)
+    end
+
+    if Catalogue.row?(:topk_sorted, [:a, :k, :axis]) do
+      defp native_block?(%Nx.Block.TopK{}, {v, i}, [%T{type: {kind, _}} = t]),
+        do: native_type?(v) and native_type?(i) and native_type?(t) and kind != :c
+    end
+
+    if @scans? do
+      defp native_block?(%struct{}, out, [t])
+           when struct in [
+                  Nx.Block.CumulativeSum,
+                  Nx.Block.CumulativeProduct,
+                  Nx.Block.CumulativeMin,
+                  Nx.Block.CumulativeMax
+                ],
+           do: native_type?(out) and native_type?(t)
+    end
+
+    if @fft_blocks? do
+      defp native_block?(%struct{}, %T{type: {kind, _}} = out, [t])
+           when struct in [Nx.Block.FFT2, Nx.Block.IFFT2, Nx.Block.RFFT, Nx.Block.IRFFT],
+           do: native_type?(out) and native_type?(t) and kind in [:c, :f]
+    end
+
+    if @linalg? do
+      # LAPACK through MLX, on a CPU worker: real f32/f64 (eigh and svd also c64).
+      defp native_block?(%Nx.Block.LinAlg.QR{mode: mode}, _out, [t]),
+        do: mode == :reduced and linalg_type?(t, [{:f, 32}, {:f, 64}])
+
+      defp native_block?(%struct{}, _out, [t])
+           when struct in [Nx.Block.LinAlg.Eigh, Nx.Block.LinAlg.SVD],
+           do: linalg_type?(t, [{:f, 32}, {:f, 64}, {:c, 64}])
+
+      defp native_block?(%struct{}, _out, [t])
+           when struct in [
+                  Nx.Block.LinAlg.Cholesky,
+                  Nx.Block.LinAlg.LU,
+                  Nx.Block.LinAlg.Determinant
+                ],
+           do: linalg_type?(t, [{:f, 32}, {:f, 64}])
+
+      defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]),
+        do: linalg_type?(a, [{:f, 32}, {:f, 64}]) and linalg_type?(b, [{:f, 32}, {:f, 64}])
+    end
+
+    defp native_block?(_struct, _out, _args), do: false
+
+    defp n_block(%Nx.Block.LogicalNot{}, %T{type: type} = out, [t]) do
+      s = stream([t], type)
+      x = N.logical_not(s, N.astype(s, ref(t, s), :bool))
+      wrap(N.astype(s, x, type), out, s)
+    end
+
+    defp n_block(%Nx.Block.Phase{}, %T{type: type} = out, [t]) do
+      s = stream([t], type)
+      x = ref(t, s)
+      wrap(N.arctan2(s, N.imag(s, x), N.real(s, x)), out, s)
+    end
+
+    if Catalogue.row?(:take, [:a, :indices, :axis]) and
+         Catalogue.row?(:take_along_axis, [:a, :indices, :axis]) do
+      defp n_block(%Nx.Block.Take{axis: axis}, %T{type: type} = out, [t, i]) do
+        s = stream([t, i], type)
+        wrap(N.take(s, ref(t, s), ref(i, s), axis), out, s)
+      end
+
+      defp n_block(%Nx.Block.TakeAlongAxis{axis: axis}, %T{type: type} = out, [t, i]) do
+        s = stream([t, i], type)
+        wrap(N.take_along_axis(s, ref(t, s), ref(i, s), axis), out, s)
+      end
+    end
+
+    if Catalogue.row?(:topk_sorted, [:a, :k, :axis]) do
+      defp n_block(%Nx.Block.TopK{k: k}, {%T{type: vt} = v, %T{type: it} = i}, [t]) do
+        s = stream([t], vt)
+        [values, indices] = N.topk_sorted(s, ref(t, s, vt), k, -1)
+        {wrap(values, v, s), wrap(N.astype(s, indices, it), i, s)}
+      end
+    end
+
+    if @scans? do
+      @scans %{
+        Nx.Block.CumulativeSum => :cumsum,
+        Nx.Block.CumulativeProduct => :cumprod,
+        Nx.Block.CumulativeMin => :cummin,
+        Nx.Block.CumulativeMax => :cummax
+      }
+
+      defp n_block(%struct{axis: axis, reverse: reverse}, %T{type: type} = out, [t])
+           when is_map_key(@scans, struct) do
+        s = stream([t], type)
+        x = apply(N, Map.fetch!(@scans, struct), [s, ref(t, s, type), axis, reverse, true])
+        # (MLX keeps 8/16-bit integer types in its scans; Nx's out says the type.)
+        wrap(N.astype(s, x, type), out, s)
+      end
+    end
+
+    if @fft_blocks? do
+      defp n_block(%Nx.Block.FFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
+        do: fft_block(:fft2, out, t, [n, axes], eps)
+
+      defp n_block(%Nx.Block.IFFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
+        do: fft_block(:ifft2, out, t, [n, axes], eps)
+
+      defp n_block(%Nx.Block.RFFT{length: n, axis: axis, eps: eps}, out, [t]),
+        do: fft_block(:rfft, out, t, [n, axis], eps)
+
+      defp n_block(%Nx.Block.IRFFT{length: n, axis: axis, eps: eps}, out, [t]),
+        do: fft_block(:irfft, out, t, [n, axis], eps)
+    end
+
+    if @linalg? do
+      defp n_block(%Nx.Block.LinAlg.Cholesky{}, %T{type: type} = out, [t]) do
+        s = cpu(stream([t], type))
+        wrap(N.cholesky(s, ref(t, s, type), false), out, s)
+      end
+
+      defp n_block(%Nx.Block.LinAlg.Solve{}, %T{type: type} = out, [a, b]) do
+        s = cpu(stream([a, b], type))
+        wrap(N.solve(s, ref(a, s, type), ref(b, s, type)), out, s)
+      end
+
+      defp n_block(%Nx.Block.LinAlg.QR{}, {%T{type: type} = q_out, r_out}, [t]) do
+        s = cpu(stream([t], type))
+        [q, r] = N.qr(s, ref(t, s, type))
+        {wrap(q, q_out, s), wrap(r, r_out, s)}
+      end
+
+      defp n_block(%Nx.Block.LinAlg.Eigh{}, {%T{type: vt} = vals_out, %T{type: et} = vecs_out}, [
+             t
+           ]) do
+        s = cpu(stream([t], et))
+        [vals, vecs] = N.eigh(s, ref(t, s, et), "L")
+        {wrap(N.astype(s, vals, vt), vals_out, s), wrap(vecs, vecs_out, s)}
+      end
+
+      defp n_block(%Nx.Block.LinAlg.SVD{full_matrices?: full?}, {u_out, s_out, vt_out}, [t]) do
+        %T{type: type} = u_out
+        s = cpu(stream([t], type))
+        [u, sv, vt] = N.svd(s, ref(t, s, type))
+        # MLX returns the full U and Vt; Nx's shapes say how much of them to keep.
+        u = if full?, do: u, else: crop(s, u, u_out.shape)
+        vt = if full?, do: vt, else: crop(s, vt, vt_out.shape)
+        {wrap(u, u_out, s), wrap(N.astype(s, sv, s_out.type), s_out, s), wrap(vt, vt_out, s)}
+      end
+
+      # MLX gives pivots with a = (l @ u)[pivots]; Nx wants the matrix p with a = p.l.u.
+      defp n_block(%Nx.Block.LinAlg.LU{}, {%T{type: pt} = p_out, %T{type: type} = l_out, u_out}, [
+             t
+           ]) do
+        s = cpu(stream([t], type))
+        [pivots, l, u] = N.lu(s, ref(t, s, type))
+        n = elem(p_out.shape, tuple_size(p_out.shape) - 1)
+        columns = N.arange(s, 0, n, 1, {:u, 32})
+        p = N.equal(s, N.expand_dims(s, N.astype(s, pivots, {:u, 32}), [-1]), columns)
+        {wrap(N.astype(s, p, pt), p_out, s), wrap(l, l_out, s), wrap(u, u_out, s)}
+      end
+
+      defp n_block(%Nx.Block.LinAlg.Determinant{}, %T{type: type} = out, [t]) do
+        s = cpu(stream([t], type))
+        wrap(N.det(s, ref(t, s, type)), out, s)
+      end
+    end
+
+    if @fft_blocks? do
+      defp fft_block(op, %T{type: type} = out, t, args, eps) do
+        s = stream([t], type)
+        input = if op in [:rfft], do: ref(t, s), else: ref(t, s, complex_of(t.type))
+        x = apply(N, op, [s, input | args])
+        wrap(clean_fft(s, x, type, eps), out, s)
+      end
+
+      defp complex_of({:c, _} = type), do: type
+      defp complex_of(_), do: {:c, 64}
+    end
+
+    if @linalg? do
+      defp linalg_type?(%T{type: type}, types), do: type in types
+
+      defp crop(s, x, shape) do
+        rank = tuple_size(shape)
+        N.slice(s, x, List.duplicate(0, rank), Tuple.to_list(shape), List.duplicate(1, rank))
+      end
+    end
+
+    @doc false
+    # Makes `t` usable from `stream` without a round trip per op: evaluates it on its own
+    # stream if it lives on another one, and records that it is evaluated.
+    def for_stream(%T{data: %B{stream: s}} = t, s), do: t
+    def for_stream(%T{data: %B{evaluated: true}} = t, _s), do: t
+
+    def for_stream(%T{data: %B{ref: ref} = data} = t, _s) do
+      Emily.eval(ref)
+      %{t | data: %{data | evaluated: true}}
+    end
+
+    ## Streams and tensors
+
+    # The stream an op runs on: the process's stream if one is set, else the stream of
+    # the first Emily input, else the default one; f64 work goes to the CPU.
+    defp stream(inputs, type) do
+      s = Emily.Stream.selected() || first_stream(inputs) || Emily.Stream.current()
+      route(s, fn -> type == {:f, 64} or Enum.any?(inputs, &(&1.type == {:f, 64})) end)
+    end
+
+    defp first_stream([%T{data: %B{stream: s}} | _]), do: s
+    defp first_stream([_ | rest]), do: first_stream(rest)
+    defp first_stream([]), do: nil
+
+    defp creation_stream(opts, type) do
+      s =
+        case opts[:device] do
+          nil ->
+            Emily.Stream.current()
+
+          device ->
+            selected = Emily.Stream.selected()
+
+            if selected && Emily.Stream.device(selected) == device,
+              do: selected,
+              else: Emily.Stream.default(device)
+        end
+
+      route(s, fn -> type == {:f, 64} end)
+    end
+
+    defp route(s, f64?) do
+      if :gpu in Emily.devices() and f64?.() and Emily.Stream.device(s) == :gpu do
+        Emily.Stream.default(:cpu)
+      else
+        s
+      end
+    end
+
+    # The MLX array of `t` usable on stream `s`.
+    defp ref(%T{data: %B{ref: ref, stream: s}}, s), do: ref
+    defp ref(%T{data: %B{ref: ref, evaluated: true}}, _s), do: ref
+
+    defp ref(%T{data: %B{ref: ref}}, _s) do
+      # Only evaluated arrays cross streams.
+      Emily.eval(ref)
+      ref
+    end
+
+    defp ref(%T{type: type, shape: shape} = t, s) do
+      bin = t |> Nx.to_binary() |> Storage.from_nx_binary(type)
+      N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type))
+    end
+
+    # ... converted to `type` (a plain MLX cast: Nx's rules for non-finite values only
+    # apply to `as_type/2`).
+    defp ref(%T{type: type} = t, s, type), do: ref(t, s)
+    defp ref(%T{} = t, s, type), do: N.astype(s, ref(t, s), type)
+
+    defp wrap(ref, %T{} = out, s), do: %{out | data: %B{ref: check(ref, out), stream: s}}
+
+    if @check? do
+      defp check(ref, %T{type: type, shape: shape}) do
+        want = {Storage.shape(type, shape), Storage.dtype(type)}
+        got = {Emily.shape(ref), Emily.dtype(ref)}
+
+        if got != want do
+          raise "Emily.Backend produced #{inspect(got)} where Nx expects #{inspect(want)}"
+        end
+
+        ref
+      end
+    else
+      defp check(ref, _out), do: ref
+    end
+
+    ## Helpers
+
+    # Nx's as_type: floats to integers truncate, NaN becomes 0 and infinities the
+    # type's limits; complex to real keeps the real part.
+    defp convert(_s, x, type, type), do: x
+
+    defp convert(s, x, {:c, _}, {k, _} = to) when k in [:u, :s] do
+      convert(s, N.real(s, x), {:f, 32}, to)
+    end
+
+    defp convert(s, x, {k, _} = from, {ik, _} = to) when k in [:f, :bf] and ik in [:u, :s] do
+      y = N.astype(s, x, to)
+      y = N.where(s, N.isnan(s, x), scalar(s, 0, to, {}), y)
+      inf = scalar(s, :infinity, from, {})
+      y = N.where(s, N.equal(s, x, inf), limit(s, :max, to), y)
+      y = N.where(s, N.equal(s, x, N.negative(s, inf)), limit(s, :min, to), y)
+      y
+    end
+
+    defp convert(s, x, _from, to), do: N.astype(s, x, to)
+
+    defp limit(s, :max, type), do: N.from_binary(s, Nx.Type.max_finite_binary(type), {}, type)
+    defp limit(s, :min, type), do: N.from_binary(s, Nx.Type.min_finite_binary(type), {}, type)
+
+    # A constant of `type` and `shape`: one `full` where a double holds the value, else
+    # its exact bytes broadcast.
+    defp scalar(s, value, {kind, _} = type, shape) when kind in [:u, :s] do
+      value =
+        case value do
+          v when is_integer(v) -> v
+          v when is_float(v) -> trunc(v)
+          %Complex{re: re} -> trunc(re)
+        end
+
+      if abs(value) < 9_007_199_254_740_992 and shape != {} do
+        N.full(s, shape, value, type)
+      else
+        bin = Emily.Codec.pack([value], type)
+        x = N.from_binary(s, bin, {}, type)
+        if shape == {}, do: x, else: N.broadcast_to(s, x, shape)
+      end
+    end
+
+    defp scalar(s, value, {:c, _} = type, shape) do
+      value =
+        case value do
+          %Complex{} -> value
+          v -> Complex.new(v, 0.0)
+        end
+
+      x = N.from_binary(s, Emily.Codec.pack([value], type), {}, type)
+      if shape == {}, do: x, else: N.broadcast_to(s, x, shape)
+    end
+
+    defp scalar(s, value, type, shape) do
+      value =
+        case value do
+          %Complex{re: re} -> re
+          v -> v
+        end
+
+      if shape == {} do
+        N.from_binary(s, Emily.Codec.pack([value], type), {}, type)
+      else
+        N.full(s, shape, value, type)
+      end
+    end
+
+    defp reshape(x, s, shape), do: N.reshape(s, x, shape)
+    defp broadcast_to(x, s, shape), do: N.broadcast_to(s, x, shape)
+
+    defp permute(s, x, shape, axes) do
+      if axes == Enum.to_list(0..(tuple_size(shape) - 1)//1),
+        do: x,
+        else: N.transpose(s, x, axes)
+    end
+
+    defp reverse(_s, x, _shape, []), do: x
+
+    defp reverse(s, x, shape, axes) do
+      dims = Tuple.to_list(shape)
+
+      {starts, stops, strides} =
+        dims
+        |> Enum.with_index()
+        |> Enum.map(fn {dim, axis} ->
+          if axis in axes and dim > 0, do: {dim - 1, -dim - 1, -1}, else: {0, dim, 1}
+        end)
+        |> unzip3()
+
+      N.slice(s, x, starts, stops, strides)
+    end
+
+    defp unzip3(list) do
+      {Enum.map(list, &elem(&1, 0)), Enum.map(list, &elem(&1, 1)), Enum.map(list, &elem(&1, 2))}
+    end
+
+    defp slice_axis(s, x, shape, axis, from, len) do
+      slice_axis_rank(s, x, axis, from, len, tuple_size(shape))
+    end
+
+    # [from, from + len) along `axis` of a rank-`rank` array, all of the other axes.
+    defp slice_axis_rank(s, x, axis, from, len, rank) do
+      big = 2_147_483_647
+      starts = List.duplicate(0, rank) |> List.replace_at(axis, from)
+      stops = List.duplicate(big, rank) |> List.replace_at(axis, from + len)
+      N.slice(s, x, starts, stops, List.duplicate(1, rank))
+    end
+
+    defp slice_axis_strided(s, x, axis, from, to, stride, rank) do
+      big = 2_147_483_647
+      starts = List.duplicate(0, rank) |> List.replace_at(axis, from)
+      stops = List.duplicate(big, rank) |> List.replace_at(axis, to)
+      strides = List.duplicate(1, rank) |> List.replace_at(axis, stride)
+      N.slice(s, x, starts, stops, strides)
+    end
+
+    # Nx's pad: per axis {low, high, interior}; negative low/high crop.
+    defp pad(s, x, shape, value, config) do
+      {x, _dims} =
+        config
+        |> Enum.with_index()
+        |> Enum.reduce({x, Tuple.to_list(shape)}, fn {{lo, hi, interior}, axis}, {x, dims} ->
+          {x, dims} = pad_interior(s, x, dims, axis, interior, value)
+          {x, dims} = pad_edge(s, x, dims, axis, lo, value, :low)
+          pad_edge(s, x, dims, axis, hi, value, :high)
+        end)
+
+      x
+    end
+
+    defp pad_interior(_s, x, dims, _axis, 0, _value), do: {x, dims}
+
+    defp pad_interior(s, x, dims, axis, interior, value) do
+      case Enum.at(dims, axis) do
+        d when d <= 1 ->
+          {x, dims}
+
+        d ->
+          rank = length(dims)
+          expanded = N.expand_dims(s, x, [axis + 1])
+          fill_dims = List.insert_at(dims, axis + 1, interior) |> List.replace_at(axis, d)
+          fill = broadcast_to(value, s, List.to_tuple(fill_dims))
+          joined = N.concatenate(s, [expanded, fill], axis + 1)
+          merged_dims = List.replace_at(dims, axis, d * (interior + 1))
+          merged = reshape(joined, s, List.to_tuple(merged_dims))
+          new = d + (d - 1) * interior
+          {slice_axis_rank(s, merged, axis, 0, new, rank), List.replace_at(dims, axis, new)}
+      end
+    end
+
+    defp pad_edge(_s, x, dims, _axis, 0, _value, _side), do: {x, dims}
+
+    defp pad_edge(s, x, dims, axis, n, _value, side) when n < 0 do
+      d = Enum.at(dims, axis)
+      from = if side == :low, do: -n, else: 0
+      {slice_axis_rank(s, x, axis, from, d + n, length(dims)), List.replace_at(dims, axis, d + n)}
+    end
+
+    defp pad_edge(s, x, dims, axis, n, value, side) do
+      fill = broadcast_to(value, s, dims |> List.replace_at(axis, n) |> List.to_tuple())
+      pieces = if side == :low, do: [fill, x], else: [x, fill]
+      d = Enum.at(dims, axis)
+      {N.concatenate(s, pieces, axis), List.replace_at(dims, axis, d + n)}
+    end
+
+    defp to_index(i) when is_integer(i), do: i
+    defp to_index(%T{} = t), do: Nx.to_number(t)
+
+    defp clamp(i, max), do: i |> max(0) |> min(max)
+
+    ## Generated callbacks (see "Dispatch" above)
+
+    generated =
+      for {name, arity} <- Enum.sort(Nx.Backend.behaviour_info(:callbacks)),
+          not Module.defines?(__MODULE__, {name, arity}, :def),
+          do: {name, arity, Module.defines?(__MODULE__, {:"n_#{name}", arity})}
+
+    @fallbacks for {name, _, false} <- generated,
+                   do: {name, Emily.Backend.Catalogue.reason(name)}
+
+    for {name, arity, native?} <- generated do
+      [out | inputs] = args = Macro.generate_arguments(arity, __MODULE__)
+
+      if native? do
+        native = :"n_#{name}"
+        check = quote(do: native_type?(unquote(out)) and native_inputs?(unquote(inputs)))
+
+        check =
+          if name in @f64_imprecise,
+            do: quote(do: unquote(out).type != {:f, 64} and unquote(check)),
+            else: check
+
+        @impl true
+        def unquote(name)(unquote_splicing(args)) do
+          if unquote(check),
+            do: unquote(native)(unquote_splicing(args)),
+            else: fallback(unquote(name), unquote(args))
+        end
+      else
+        @impl true
+        def unquote(name)(unquote_splicing(args)), do: fallback(unquote(name), unquote(args))
+      end
+    end
+
+    @doc """
+    The `Nx.Backend` callbacks that run on `Nx.BinaryBackend` for every type, each with
+    the reason:
+
+    #{Enum.map_join(@fallbacks, "\n", fn {op, why} -> "  * `#{op}` - #{why}" end)}
+    """
+    @spec fallbacks() :: [{atom, String.t()}]
+    def fallbacks, do: @fallbacks
+  end
+end

@@ -1,0 +1,312 @@
+# Emily.Compiler: defn functions through the evaluator path against Nx.Defn.Evaluator on
+# Nx.BinaryBackend, grad against finite differences, io_call hooks, control flow,
+# options and partitions.
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Nx.CompilerTest do
+    use ExUnit.Case, async: true
+    @moduletag :nx
+
+    import Nx.Defn
+    import Emily.NxOracle
+    alias Emily.NxOracle, as: O
+
+    defn softmax(x) do
+      e = Nx.exp(x - Nx.reduce_max(x, axes: [-1], keep_axes: true))
+      e / Nx.sum(e, axes: [-1], keep_axes: true)
+    end
+
+    defn mlp(x, {w1, b1, w2, b2}) do
+      x |> Nx.dot(w1) |> Nx.add(b1) |> Nx.tanh() |> Nx.dot(w2) |> Nx.add(b2) |> softmax()
+    end
+
+    defn attention(q, k, v) do
+      scores = Nx.dot(q, [2], [0], k, [2], [0]) / Nx.sqrt(Nx.axis_size(q, 2))
+      Nx.dot(softmax(scores), [2], [0], v, [1], [0])
+    end
+
+    defn layer_norm(x) do
+      mean = Nx.mean(x, axes: [-1], keep_axes: true)
+      var = Nx.variance(x, axes: [-1], keep_axes: true)
+      (x - mean) / Nx.sqrt(var + 1.0e-5)
+    end
+
+    defn powers(x) do
+      {_i, acc, _x} =
+        while {i = 0, acc = x, x}, i < 4 do
+          {i + 1, acc * x + 1, x}
+        end
+
+      acc
+    end
+
+    defn branch(x) do
+      cond do
+        Nx.sum(x) > 1 -> x * 2
+        Nx.sum(x) < -1 -> x - 3
+        true -> Nx.cos(x)
+      end
+    end
+
+    defn(doubled(x), do: x |> Nx.multiply(2) |> io_call(:double) |> Nx.add(1))
+
+    defn(printed(x), do: x |> Nx.add(1) |> print_value(label: "value") |> Nx.multiply(3))
+
+    defn counted(x, opts \\ []) do
+      opts = keyword!(opts, [:pid])
+      y = x + 1
+      y = Nx.runtime_call(y, y, [pid: opts[:pid]], &report/2)
+      y * 2
+    end
+
+    def report(t, opts) do
+      send(opts[:pid], {:runtime_call, t})
+      t
+    end
+
+    defn scan_stats(x) do
+      {Nx.cumulative_sum(x, axis: 1), Nx.argmax(x, axis: 1), Nx.sort(x, axis: 1)}
+    end
+
+    defp ejit(fun, opts \\ []), do: Nx.Defn.jit(fun, [compiler: Emily.Compiler] ++ opts)
+
+    defp check_defn(fun, args, opts \\ []) do
+      expected =
+        Nx.with_default_backend(Nx.BinaryBackend, fn ->
+          apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
+        end)
+
+      actual = apply(ejit(fun), args)
+      assert_same(actual, expected, opts)
+      actual
+    end
+
+    describe "evaluator path" do
+      test "agrees with Nx.BinaryBackend" do
+        x = O.tensor({4, 6}, {:f, 32})
+
+        params =
+          {O.tensor({6, 5}, {:f, 32}), O.tensor({5}, {:f, 32}), O.tensor({5, 3}, {:f, 32}),
+           O.tensor({3}, {:f, 32})}
+
+        check_defn(&softmax/1, [x])
+        check_defn(&mlp/2, [x, params])
+
+        check_defn(&attention/3, [
+          O.tensor({2, 4, 3}, {:f, 32}),
+          O.tensor({2, 5, 3}, {:f, 32}),
+          O.tensor({2, 5, 3}, {:f, 32})
+        ])
+
+        check_defn(&layer_norm/1, [x], tol: {1.0e-4, 1.0e-4})
+        check_defn(&powers/1, [O.tensor({3}, {:f, 32}, :unit)])
+        check_defn(&scan_stats/1, [O.tensor({3, 4}, {:s, 32}, :small)])
+
+        for x <- [Nx.tensor([1.0, 2.0]), Nx.tensor([-1.0, -2.0]), Nx.tensor([0.1, 0.2])] do
+          check_defn(&branch/1, [Nx.backend_copy(x, Nx.BinaryBackend)])
+        end
+      end
+
+      test "results are Emily tensors; other backends' inputs are copied in" do
+        out = ejit(&softmax/1).(Nx.iota({2, 3}, type: :f32, backend: Nx.BinaryBackend))
+        assert %Emily.Backend{} = out.data
+
+        emily_in = emily(Nx.iota({2, 3}, type: :f32, backend: Nx.BinaryBackend))
+        assert %Emily.Backend{} = ejit(&softmax/1).(emily_in).data
+      end
+
+      test "Nx.Defn.compile and default options" do
+        template = Nx.template({2, 3}, {:f, 32})
+        compiled = Nx.Defn.compile(&softmax/1, [template], compiler: Emily.Compiler)
+        x = O.tensor({2, 3}, {:f, 32})
+        assert_same(compiled.(x), Nx.with_default_backend(Nx.BinaryBackend, fn -> softmax(x) end))
+
+        previous = Nx.Defn.default_options(compiler: Emily.Compiler)
+
+        try do
+          assert %Emily.Backend{} = softmax(x).data
+        after
+          Nx.Defn.default_options(previous)
+        end
+      end
+    end
+
+    describe "grad" do
+      defn(f_sin(x), do: Nx.sum(Nx.sin(x) * x))
+      defn(f_logsumexp(x), do: Nx.log(Nx.sum(Nx.exp(x))))
+      defn(f_sigmoid(x), do: Nx.sum(Nx.sigmoid(x) ** 2 / (1 + x * x)))
+      defn(f_norm(x), do: Nx.sqrt(Nx.sum(x * x)) + Nx.reduce_max(x))
+
+      defn f_mlp(w, x, y) do
+        pred = Nx.tanh(Nx.dot(x, w))
+        Nx.mean((pred - y) ** 2)
+      end
+
+      defn f_softmax_ce(w, x) do
+        p = softmax(Nx.dot(x, w))
+        -Nx.sum(Nx.log(p[[.., 0]]))
+      end
+
+      test "matches central finite differences" do
+        x = O.tensor({5}, {:f, 32})
+        mx = O.tensor({4, 3}, {:f, 32})
+        w = O.tensor({3, 2}, {:f, 32}, :unit)
+        y = O.tensor({4, 2}, {:f, 32}, :unit)
+
+        for {f, args} <- [
+              {&f_sin/1, [x]},
+              {&f_logsumexp/1, [x]},
+              {&f_sigmoid/1, [x]},
+              {&f_norm/1, [x]},
+              {&f_mlp/3, [w, mx, y]},
+              {&f_softmax_ce/2, [w, mx]}
+            ] do
+          [p | rest] = args
+          g = ejit(fn p -> grad(p, &apply(f, [&1 | rest])) end).(p)
+          assert %Emily.Backend{} = g.data
+          fd = finite_differences(f, p, rest)
+          assert_same(g, fd, tol: {2.0e-3, 2.0e-3})
+        end
+      end
+    end
+
+    # d f / d p_i ~ (f(p + h e_i) - f(p - h e_i)) / 2h, evaluated in f64 on BinaryBackend.
+    defp finite_differences(f, p, rest) do
+      Nx.with_default_backend(Nx.BinaryBackend, fn ->
+        h = 1.0e-5
+        p64 = Nx.as_type(p, :f64)
+        rest64 = Enum.map(rest, &Nx.as_type(&1, :f64))
+        flat = Nx.to_flat_list(p64)
+
+        grads =
+          for i <- 0..(length(flat) - 1) do
+            at = fn delta ->
+              shifted =
+                flat
+                |> List.update_at(i, &(&1 + delta))
+                |> Nx.tensor(type: :f64)
+                |> Nx.reshape(p.shape)
+
+              Nx.to_number(apply(f, [shifted | rest64]))
+            end
+
+            (at.(h) - at.(-h)) / (2 * h)
+          end
+
+        grads |> Nx.tensor(type: :f32) |> Nx.reshape(p.shape)
+      end)
+    end
+
+    describe "io_calls, print_value and runtime_call" do
+      test "named io_calls run the :hooks given at jit time" do
+        pid = self()
+        x = Nx.tensor([1.0, 2.0], backend: Nx.BinaryBackend)
+        out = ejit(&doubled/1, hooks: %{double: &send(pid, {:double, &1})}).(x)
+        assert Nx.to_flat_list(out) == [3.0, 5.0]
+        assert_receive {:double, doubled}
+        assert %Emily.Backend{} = doubled.data
+        assert Nx.to_flat_list(doubled) == [2.0, 4.0]
+
+        # Without a hook the io_call is a no-op.
+        assert Nx.to_flat_list(ejit(&doubled/1).(x)) == [3.0, 5.0]
+        refute_receive {:double, _}
+      end
+
+      test "print_value prints the value" do
+        out =
+          ExUnit.CaptureIO.capture_io(fn ->
+            assert Nx.to_flat_list(ejit(&printed/1).(Nx.tensor([1, 2]))) == [6, 9]
+          end)
+
+        assert out =~ "value"
+        assert out =~ "[2, 3]"
+      end
+
+      test "runtime_call calls back into Elixir with Emily tensors" do
+        pid = self()
+        out = ejit(&counted(&1, pid: pid)).(Nx.tensor([1, 2, 3]))
+        assert Nx.to_flat_list(out) == [4, 6, 8]
+        assert_receive {:runtime_call, t}
+        assert %Emily.Backend{} = t.data
+        assert Nx.to_flat_list(t) == [2, 3, 4]
+      end
+    end
+
+    def forward(_event, _measurements, meta, {pid, ref}), do: send(pid, {ref, meta})
+
+    describe "options" do
+      test "unknown options are accepted and passed through" do
+        x = O.tensor({2, 3}, {:f, 32})
+        out = ejit(&softmax/1, axon_mode: :inference, garbage_collect: true, foo: [bar: 1]).(x)
+        assert_same(out, Nx.with_default_backend(Nx.BinaryBackend, fn -> softmax(x) end))
+      end
+
+      test ":device and :stream choose where the work runs" do
+        s = Emily.Stream.new(:cpu)
+        out = ejit(&softmax/1, stream: s).(Nx.iota({2, 2}, type: :f32, backend: Nx.BinaryBackend))
+        assert out.data.stream == s
+        out = ejit(&softmax/1, device: :cpu).(Nx.iota({2, 2}, type: :f32))
+        assert Emily.Stream.device(out.data.stream) == :cpu
+
+        # An input still lazy on another stream is evaluated there, then used here.
+        other = Emily.Stream.new(:cpu)
+        lazy = Emily.Stream.with_stream(other, fn -> Nx.multiply(Nx.iota({2}, type: :f32), 0) end)
+        out = ejit(&softmax/1, stream: s).(lazy)
+        assert out.data.stream == s
+        assert Nx.to_flat_list(out) == [0.5, 0.5]
+      end
+
+      test "__partitions_options__ gives each partition its own stream" do
+        parts = Emily.Compiler.__partitions_options__(max_concurrency: 3, foo: 1)
+        assert length(parts) == 3
+        streams = Enum.map(parts, & &1[:stream])
+        assert length(Enum.uniq(streams)) == 3
+        assert Enum.all?(parts, &(&1[:foo] == 1))
+
+        for opts <- parts do
+          out =
+            Nx.Defn.jit(&softmax/1, [compiler: Emily.Compiler] ++ opts).(Nx.tensor([1.0, 2.0]))
+
+          assert out.data.stream == opts[:stream]
+        end
+
+        assert [_] = Emily.Compiler.__partitions_options__([])
+      end
+
+      test "__to_backend__" do
+        assert Emily.Compiler.__to_backend__([]) == {Emily.Backend, []}
+        assert Emily.Compiler.__to_backend__(device: :cpu) == {Emily.Backend, [device: :cpu]}
+
+        assert Emily.Compiler.__to_backend__(stream: Emily.Stream.new(:cpu)) ==
+                 {Emily.Backend, [device: :cpu]}
+
+        assert Nx.Defn.to_backend(compiler: Emily.Compiler) == {Emily.Backend, []}
+      end
+
+      test "native: true runs the evaluator path and reports it" do
+        ref = make_ref()
+        pid = self()
+
+        :telemetry.attach(
+          inspect(ref),
+          [:emily, :compiler, :evaluator_fallback],
+          &__MODULE__.forward/4,
+          {pid, ref}
+        )
+
+        try do
+          out = ejit(&softmax/1, native: true).(Nx.tensor([0.0, 0.0]))
+          assert Nx.to_flat_list(out) == [0.5, 0.5]
+          assert_receive {^ref, %{reason: :no_native_program}}
+        after
+          :telemetry.detach(inspect(ref))
+        end
+      end
+    end
+  end
+else
+  defmodule Emily.Nx.CompilerTest do
+    use ExUnit.Case, async: true
+    @moduletag :nx
+    test "Emily.Compiler (needs Nx)", do: flunk("Nx is not loaded")
+  end
+end
