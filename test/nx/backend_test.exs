@@ -934,6 +934,7 @@ else
   defmodule Emily.Nx.BackendTest do
     use ExUnit.Case, async: true
     @moduletag :nx
-    test "Emily.Backend against Nx.BinaryBackend (needs Nx)", do: flunk("Nx is not loaded")
+    require Emily.NxAbsent
+    Emily.NxAbsent.placeholders()
   end
 end

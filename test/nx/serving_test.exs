@@ -132,6 +132,7 @@ else
   defmodule Emily.Nx.ServingTest do
     use ExUnit.Case, async: true
     @moduletag :nx
-    test "Nx.Serving on Emily.Compiler (needs Nx)", do: flunk("Nx is not loaded")
+    require Emily.NxAbsent
+    Emily.NxAbsent.placeholders()
   end
 end
