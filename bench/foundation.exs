@@ -9,18 +9,7 @@ alias Emily.Native, as: N
 
 size = String.to_integer(List.first(System.argv()) || "2048")
 
-defmodule Bench do
-  # Best mean time per call in microseconds, over `rounds` rounds of `reps` calls.
-  def best(fun, reps, rounds \\ 5) do
-    fun.()
-
-    for _ <- 1..rounds do
-      {us, _} = :timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end)
-      us / reps
-    end
-    |> Enum.min()
-  end
-end
+Code.require_file("support/bench.exs", __DIR__)
 
 s = Emily.Stream.default(:cpu)
 x = N.full(s, {}, 0.0, {:f, 32})
@@ -47,18 +36,7 @@ emily = %{
   "matmul_f32" => Bench.best(matmul, 3, 3)
 }
 
-cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
-
-{out, 0} =
-  System.cmd("python3", [Path.join(__DIR__, "foundation.py"), to_string(size)],
-    env: [{"PYTHONPATH", Path.join(cache, "current")}]
-  )
-
-py =
-  for line <- String.split(out, "\n", trim: true), into: %{} do
-    [k, v] = String.split(line)
-    {k, String.to_float(v)}
-  end
+py = Bench.python(Path.join(__DIR__, "foundation.py"), [to_string(size)])
 
 gflops = fn us -> 2 * size ** 3 / us / 1000 end
 fmt = fn x -> :erlang.float_to_binary(x * 1.0, decimals: 2) end

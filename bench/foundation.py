@@ -3,23 +3,14 @@
 Prints one `name microseconds` line per figure. Run by bench/foundation.exs, or alone:
     PYTHONPATH=$EMILY_CACHE/current python3 bench/foundation.py
 """
+import os
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
-
-def best(fun, reps, rounds=5):
-    """Best mean time per call, in microseconds, over `rounds` rounds of `reps` calls."""
-    fun()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fun()
-        times.append((time.perf_counter() - t0) / reps * 1e6)
-    return min(times)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from bench import best  # noqa: E402
 
 
 def main():

@@ -14,18 +14,7 @@ alias Emily.Native, as: N
 
 repeats = String.to_integer(List.first(System.argv()) || "1")
 
-defmodule Bench do
-  # Best mean time per call in microseconds, over `rounds` rounds of `reps` calls.
-  def best(fun, reps, rounds \\ 5) do
-    fun.()
-
-    for _ <- 1..rounds do
-      {us, _} = :timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end)
-      us / reps
-    end
-    |> Enum.min()
-  end
-end
+Code.require_file("support/bench.exs", __DIR__)
 
 s = Emily.Stream.default(:cpu)
 
@@ -99,18 +88,7 @@ emily_pass = fn ->
   Map.put(times, "nx_conv", nx_conv)
 end
 
-cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
-script = Path.join(__DIR__, "native_linalg.py")
-
-python = fn env ->
-  {out, 0} =
-    System.cmd("python3", [script], env: [{"PYTHONPATH", Path.join(cache, "current")} | env])
-
-  for line <- String.split(out, "\n", trim: true), into: %{} do
-    [k, v] = String.split(line)
-    {k, String.to_float(v)}
-  end
-end
+python = fn env -> Bench.python(Path.join(__DIR__, "native_linalg.py"), [], env) end
 
 min_merge = fn maps -> Enum.reduce(maps, &Map.merge(&1, &2, fn _, a, b -> min(a, b) end)) end
 

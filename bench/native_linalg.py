@@ -7,21 +7,13 @@ Emily links OpenBLAS ahead of libmlx; for the same BLAS/LAPACK here, run it with
     LD_PRELOAD=libopenblas.so.0
 """
 import math
-import time
+import os
+import sys
 
 import mlx.core as mx
 
-
-def best(fun, reps, rounds=5):
-    """Best mean time per call, in microseconds, over `rounds` rounds of `reps` calls."""
-    fun()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fun()
-        times.append((time.perf_counter() - t0) / reps * 1e6)
-    return min(times)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from bench import best  # noqa: E402
 
 
 def main():

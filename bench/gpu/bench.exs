@@ -9,19 +9,13 @@ alias Emily.Native, as: N
 
 decode? = "--decode" in System.argv()
 
+Code.require_file("../support/bench.exs", __DIR__)
+
 defmodule GpuBench do
   alias Emily.Native, as: N
 
-  # Best mean seconds per call over `rounds` rounds of `reps` calls, after a warm-up.
-  def best(fun, reps, rounds \\ 5) do
-    fun.()
-
-    for _ <- 1..rounds do
-      {us, _} = :timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end)
-      us / reps / 1.0e6
-    end
-    |> Enum.min()
-  end
+  # Best mean seconds per call.
+  def best(fun, reps, rounds \\ 5), do: Bench.best(fun, reps, rounds) / 1.0e6
 
   # sin(0, 1, 2, ...) in `dtype`: the same data the references build.
   def data(s, shape, dtype) do
@@ -78,18 +72,7 @@ emily =
     emily
   end
 
-pythonpath =
-  System.get_env("EMILY_PYTHONPATH") ||
-    Path.join(System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily")), "current")
-
-args = [Path.join(__DIR__, "reference.py")] ++ if(decode?, do: ["--decode"], else: [])
-{out, 0} = System.cmd("python3", args, env: [{"PYTHONPATH", pythonpath}])
-
-ref =
-  for line <- String.split(out, "\n", trim: true), into: %{} do
-    [k, v] = String.split(line)
-    {k, String.to_float(v)}
-  end
+ref = Bench.python(Path.join(__DIR__, "reference.py"), if(decode?, do: ["--decode"], else: []))
 
 f = fn
   nil -> "—"

@@ -8,10 +8,13 @@ matmul 8192^3 in bf16/f16/f32 (TFLOP/s); elementwise f32 over 1 GiB in + out (TB
 with --decode, one Qwen3-0.6B-shaped bf16 decode step (ms).
 """
 import math
+import os
 import sys
-import time
 
 import mlx.core as mx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
+import bench  # noqa: E402
 
 try:
     import torch
@@ -22,15 +25,8 @@ S = mx.new_stream(mx.gpu)
 
 
 def best(fun, reps, rounds=5):
-    """Best mean seconds per call over `rounds` rounds of `reps` calls (after a warm-up)."""
-    fun()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fun()
-        out.append((time.perf_counter() - t0) / reps)
-    return min(out)
+    """Best mean seconds per call."""
+    return bench.best(fun, reps, rounds) / 1e6
 
 
 def data(shape, dtype):
