@@ -91,22 +91,6 @@ defmodule Emily.WorkerTest do
     assert thread_count() - before < 40
   end
 
-  test "tensors of another stream must be evaluated before use" do
-    a = Emily.Stream.new(:cpu)
-    b = Emily.Stream.new(:cpu)
-
-    x =
-      N.add(
-        a,
-        Emily.from_list([1.0], {:f, 32}, stream: a),
-        Emily.from_list([1.0], {:f, 32}, stream: a)
-      )
-
-    assert_raise ArgumentError, ~r/another stream/, fn -> N.exp(b, x) end
-    Emily.eval(x)
-    assert_close(l(N.exp(b, x)), [7.389056])
-  end
-
   defp measure_tick do
     {us, _} = :timer.tc(fn -> Process.sleep(5) end)
     div(us, 1000)

@@ -32,6 +32,42 @@ pub mod ffi {
         fn array_shape(a: &Array) -> Vec<i32>;
         fn array_dtype_val(a: &Array) -> u8;
 
+        fn async_eval_arrays(v: &ArrayVec) -> Result<()>;
+
+        // memory.h
+        include!("memory.h");
+        fn memory_active() -> Result<u64>;
+        fn memory_peak() -> Result<u64>;
+        fn memory_cache() -> Result<u64>;
+        fn memory_limit() -> Result<u64>;
+        fn memory_reset_peak() -> Result<()>;
+        fn memory_clear_cache() -> Result<()>;
+        fn memory_set_limit(limit: u64) -> Result<u64>;
+        fn memory_set_cache_limit(limit: u64) -> Result<u64>;
+        fn memory_set_wired_limit(limit: u64) -> Result<u64>;
+        fn metal_available() -> Result<bool>;
+
+        // program.h
+        include!("program.h");
+        type ProgramSpec;
+        type Compiled;
+        fn program_spec_new(n_inputs: usize) -> UniquePtr<ProgramSpec>;
+        #[allow(clippy::too_many_arguments)]
+        fn program_spec_push(
+            p: Pin<&mut ProgramSpec>,
+            op: u32,
+            name: &str,
+            slots: &[u32],
+            ints: &[i64],
+            floats: &[f64],
+            strs: &[String],
+            outputs: u32,
+        );
+        fn program_spec_outputs(p: Pin<&mut ProgramSpec>, slots: &[u32]);
+        fn program_call(p: &ProgramSpec, inputs: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
+        fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
+        fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+
         fn op_call(
             op: u32,
             tensors: &ArrayVec,

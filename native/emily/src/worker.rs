@@ -12,6 +12,23 @@
 //!
 //! Dropping the last handle to a worker closes its queue; the thread drains the queue,
 //! drops its arrays and stream, and is joined by the reaper thread, never by a scheduler.
+//!
+//! ## Cross-stream inputs, and why they cannot deadlock
+//!
+//! A lazy tensor of worker A used by an op on worker B is first evaluated on A: the NIF
+//! queues an export job on A, then queues the op on B; B's job waits for the export's
+//! one-shot reply before it builds its node. Only op jobs wait, and only on exports; an
+//! export evaluates A's own graph, which never holds a lazy array of another worker (its
+//! cross-stream inputs were resolved the same way when its nodes were built), so an export
+//! never waits on another worker.
+//!
+//! Every wait points back in time: a job waits on an export queued *before* it (same NIF
+//! call, in program order), and a queued job waits on the jobs ahead of it on its own
+//! worker, which were queued before it. A cycle of waits would need a job queued strictly
+//! before itself, so there is none: take the earliest-queued waiting job J; the export it
+//! waits on is either running (and finishes: exports do not wait) or queued behind a job C
+//! of A that was queued before the export, hence before J, and that is not waiting either
+//! (J is the earliest waiting job), so C finishes and the export runs.
 use crate::bridge::ffi;
 use crate::error::Error;
 use cxx::UniquePtr;
@@ -31,6 +48,9 @@ pub enum Device {
 pub struct State {
     pub stream: UniquePtr<ffi::Stream>,
     pub arrays: HashMap<u64, Slot>,
+    /// Programs compiled with `mx::compile` on this worker, by program id (never reused).
+    /// MLX's compile cache is thread-local: they are built, called and dropped here only.
+    pub compiled: HashMap<u64, UniquePtr<ffi::Compiled>>,
 }
 
 /// A tensor's value on its worker: the (possibly lazy) array, or why it has none.
@@ -138,12 +158,14 @@ fn run(device: Device, rx: Receiver<Job>, ready: Sender<Result<(), String>>) {
             return;
         }
     };
-    let mut state = State { stream, arrays: HashMap::new() };
+    let mut state = State { stream, arrays: HashMap::new(), compiled: HashMap::new() };
     while let Ok(job) = rx.recv() {
         // MLX errors arrive as Results; a panic here would be a bug in Emily, and must
         // not take the VM down with it.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut state)));
     }
+    // Compiled programs first: their cache entries live in this thread's compile cache.
+    state.compiled.clear();
     drop(state);
 }
 
