@@ -23,11 +23,17 @@ defmodule Emily.Stream do
 
   ## Lifetime
 
-  A stream's thread stops once the stream and every tensor made on it are garbage.
-  `release/1` lets go of it earlier: the stream refuses new work at once (an
+  A stream lives as long as its handle or any tensor made on it. Then its worker thread
+  goes back to an idle pool, with its MLX stream, and the next `new/1` of that device
+  takes it instead of starting a thread: MLX never reclaims a stream (nor, on the CPU,
+  the OS thread that runs its kernels), so Emily keeps the set of threads that call MLX
+  as small as the most streams alive at once, however many come and go
+  (`thread_stats/1`).
+
+  `release/1` lets go of a stream early: it refuses new work at once (an
   `ArgumentError` from any op or tensor creation on it), work already queued completes,
   and tensors already made stay fully usable — readable, and usable as inputs on other
-  streams — for as long as they are referenced; the thread stops when the last of them
+  streams — for as long as they are referenced; the thread is free once the last of them
   is garbage. Default streams cannot be released.
   """
 
@@ -104,6 +110,17 @@ defmodule Emily.Stream do
     end
 
     Emily.Native.stream_release(stream)
+  end
+
+  @doc """
+  `%{started: n, idle: n}`: the worker threads started so far for `device` and how many
+  of them wait, idle, for a new stream. `started` only grows while more streams are
+  alive at once than ever before.
+  """
+  @spec thread_stats(device) :: %{started: non_neg_integer, idle: non_neg_integer}
+  def thread_stats(device \\ Emily.default_device()) when device in [:cpu, :gpu] do
+    {started, idle} = Emily.Native.stream_threads(device)
+    %{started: started, idle: idle}
   end
 
   @doc "Whether `release/1` was called on `stream`."

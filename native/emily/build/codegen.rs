@@ -8,7 +8,8 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
     s.push_str(&program_decoders(ops));
     for (id, op) in ops {
         let Body::Expr(_) = op.body else { continue };
-        let mut params = vec!["stream: crate::stream::StreamArg".to_string()];
+        let mut params =
+            vec!["env: rustler::Env<'_>".to_string(), "stream: crate::stream::StreamArg".to_string()];
         let mut pushes = String::new();
         for a in &op.args {
             let n = &a.name;
@@ -17,9 +18,11 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
                 ArgType::OptTensor => {
                     ("Option<crate::tensor::TensorArg>", format!("call.opt_tensor(&{n})?;"))
                 }
-                ArgType::Tensors => ("Vec<crate::tensor::TensorArg>", format!("call.tensors(&{n})?;")),
+                ArgType::Tensors => {
+                    ("crate::term::List<crate::tensor::TensorArg>", format!("call.tensors(&{n}.0)?;"))
+                }
                 ArgType::Int => ("i64", format!("call.int({n});")),
-                ArgType::Ints => ("Vec<i64>", format!("call.ints(&{n});")),
+                ArgType::Ints => ("crate::term::List<i64>", format!("call.ints(&{n}.0);")),
                 ArgType::Shape => ("crate::term::Shape", format!("call.ints(&{n}.0);")),
                 ArgType::Float => ("crate::term::Number", format!("call.float({n}.0);")),
                 ArgType::Bool => ("bool", format!("call.int({n} as i64);")),
@@ -34,7 +37,7 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
         let submit = if op.outputs == 1 { "submit_one()" } else { "submit_many()" };
         let _ = write!(
             s,
-            "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(&stream, {id}, \"{name}\", {outs});{pushes}\n    call.{submit}\n}}\n",
+            "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(env, &stream, {id}, \"{name}\", {outs});{pushes}\n    call.{submit}\n}}\n",
             name = op.name,
             params = params.join(", "),
             outs = op.outputs,
@@ -59,7 +62,9 @@ fn program_decoders(ops: &[(u32, &Op)]) -> String {
                 ArgType::OptTensor => format!("b.opt_tensor(args[{i}])?;"),
                 ArgType::Tensors => format!("b.tensors(args[{i}])?;"),
                 ArgType::Int => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.int(v);"),
-                ArgType::Ints => format!("let v: Vec<i64> = b.decode(args[{i}], \"{n}\")?; b.ints(&v);"),
+                ArgType::Ints => {
+                    format!("let v: crate::term::List<i64> = b.decode(args[{i}], \"{n}\")?; b.ints(&v.0);")
+                }
                 ArgType::Shape => {
                     format!("let v: crate::term::Shape = b.decode(args[{i}], \"{n}\")?; b.ints(&v.0);")
                 }

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "emily.h"
+#include "guards.h"
 
 namespace emily {
 

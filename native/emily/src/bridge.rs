@@ -21,6 +21,7 @@ pub mod ffi {
         fn device_available(device: i32) -> Result<bool>;
         fn stream_new(device: i32) -> Result<UniquePtr<Stream>>;
         fn synchronize(s: &Stream) -> Result<()>;
+        fn stream_set_default(s: &Stream) -> Result<()>;
 
         fn from_bytes(data: &[u8], shape: &[i32], dtype_val: u8, dtype_size: u8) -> Result<UniquePtr<Array>>;
         fn clone_array(a: &Array) -> UniquePtr<Array>;

@@ -3,7 +3,8 @@
 //! A handle can be released (`stream_release`): from then on it refuses new work with an
 //! `ArgumentError`, and it no longer keeps the worker alive. Tensors made on the stream
 //! keep their worker, so they stay readable and usable as inputs on other streams; the
-//! thread stops once the handle is released (or garbage) and the last of them is garbage.
+//! thread is free for another stream once the handle is released (or garbage) and the
+//! last of them is garbage.
 use crate::error::argument_error;
 use crate::worker::{Device, Worker};
 use rustler::{Atom, NifResult, Resource, ResourceArc};
@@ -70,6 +71,14 @@ fn stream_release(stream: StreamArg) -> Atom {
 #[rustler::nif]
 fn stream_released(stream: StreamArg) -> bool {
     stream.get().is_none()
+}
+
+/// `stream_threads(device)`: `{started, idle}`, the worker threads started so far for
+/// `device` (they serve one stream at a time and are reused, never stopped) and how many
+/// of them wait for a stream now.
+#[rustler::nif]
+fn stream_threads(dev: Atom) -> NifResult<(u64, u64)> {
+    Ok(crate::worker::pool_stats(device(dev)?))
 }
 
 /// `stream_device(stream)`: `:cpu` or `:gpu`.

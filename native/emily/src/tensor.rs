@@ -8,7 +8,7 @@ use crate::bridge::{ffi, SendArray};
 use crate::dtype::DType;
 use crate::error::{argument_error, Error};
 use crate::stream::StreamArg;
-use crate::term::Shape;
+use crate::term::{List, Shape};
 use crate::worker::{next_id, State, Worker};
 use rustler::env::SavedTerm;
 use rustler::{Binary, Encoder, Env, LocalPid, NifResult, OwnedEnv, Resource, ResourceArc, Term};
@@ -234,8 +234,8 @@ impl Gather {
 /// worker, the workers in parallel); replies `{ref, {:ok, :ok}}` once all are done, or
 /// `{ref, {:error, e}}` with an error.
 #[rustler::nif]
-fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifResult<Term<'a>> {
-    let groups = by_worker(tensors);
+fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifResult<Term<'a>> {
+    let groups = by_worker(tensors.0);
     if groups.is_empty() {
         // OwnedEnv cannot send from a scheduler thread: reply through the caller's env.
         let msg = (reference, (crate::atoms::ok(), crate::atoms::ok())).encode(env);
@@ -259,8 +259,8 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifRe
 /// once. The worker goes on with later jobs while MLX computes; a later waiting call
 /// (`eval`, `to_binary`) finds the values ready or waits for them, and reports errors.
 #[rustler::nif]
-fn async_eval(tensors: Vec<TensorArg>) -> rustler::Atom {
-    for (worker, group) in by_worker(tensors) {
+fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
+    for (worker, group) in by_worker(tensors.0) {
         worker.submit(Box::new(move |st: &mut State| {
             let mut v = ffi::array_vec_new();
             for t in group.iter().filter(|t| t.evaluated.get().is_none()) {

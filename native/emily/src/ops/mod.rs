@@ -96,6 +96,8 @@ pub struct Args {
     pub ints: Vec<i64>,
     pub floats: Vec<f64>,
     pub strs: Vec<String>,
+    /// Why an argument was refused (reported when the op is submitted).
+    pub bad: Option<String>,
 }
 
 impl Args {
@@ -103,7 +105,12 @@ impl Args {
         self.ints.push(i);
     }
 
+    /// An `ints` argument: MLX takes these as 32-bit ints (axes, starts, strides), so a
+    /// value outside that range is refused rather than silently wrapped.
     pub fn ints(&mut self, v: &[i64]) {
+        if let Some(x) = v.iter().find(|&&x| i32::try_from(x).is_err()) {
+            self.bad.get_or_insert_with(|| format!("{x} in {v:?} does not fit in 32 bits"));
+        }
         self.ints.push(v.len() as i64);
         self.ints.extend_from_slice(v);
     }
@@ -122,6 +129,9 @@ impl Args {
     }
 }
 
+/// The share of a scheduler timeslice (about 1 ms) charged per op NIF call.
+pub const OP_TIMESLICE_PERCENT: i32 = 2;
+
 pub struct Call {
     stream: StreamArg,
     worker: Option<Arc<Worker>>,
@@ -133,7 +143,11 @@ pub struct Call {
 }
 
 impl Call {
-    pub fn new(stream: &StreamArg, op: u32, name: &'static str, outputs: usize) -> Call {
+    pub fn new(env: rustler::Env, stream: &StreamArg, op: u32, name: &'static str, outputs: usize) -> Call {
+        // Queueing an op costs microseconds, but a process that queues many in a row
+        // would otherwise hold its scheduler for as long as it likes: charging each call
+        // a share of the timeslice makes it yield like Erlang code does.
+        rustler::schedule::consume_timeslice(env, OP_TIMESLICE_PERCENT);
         Call {
             stream: stream.clone(),
             worker: stream.get(),
@@ -192,13 +206,16 @@ impl Call {
     }
 
     fn submit(mut self) -> NifResult<Vec<TensorArg>> {
+        if let Some(bad) = &self.args.bad {
+            return Err(crate::error::argument_error(format!("{}: {bad}", self.name)));
+        }
         let Some(worker) = self.worker.take() else {
             return Err(released_error(self.name, &self.stream.name));
         };
         let outs: Vec<TensorArg> = (0..self.outputs).map(|_| TensorResource::new(&worker)).collect();
         let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
         self.inputs.request(self.name);
-        worker.submit(Box::new(move |st: &mut State| {
+        worker.submit_lazy(Box::new(move |st: &mut State| {
             let res = self.run(st);
             put_outputs(st, &ids, res);
         }));

@@ -16,6 +16,7 @@ use crate::error::{argument_error, Error};
 use crate::ops::{check_outputs, put_outputs, Args, Inputs};
 use crate::stream::{released_error, StreamArg};
 use crate::tensor::{mlx_error, TensorArg, TensorResource};
+use crate::term::{short, List};
 use crate::worker::{next_id, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
 use std::sync::{Arc, Mutex, Weak};
@@ -56,20 +57,19 @@ impl Instr {
         Ok(())
     }
 
-    /// Decodes argument `name` as its table type; a bad term is an `ArgumentError`.
+    /// Decodes argument `name` as its table type; a bad term is an `ArgumentError` naming
+    /// the instruction and the argument.
     pub fn decode<'a, T: Decoder<'a>>(&self, term: Term<'a>, name: &str) -> NifResult<T> {
-        term.decode::<T>().map_err(|e| match e {
-            rustler::Error::RaiseTerm(_) => e,
-            _ => self.err(format!("bad argument `{name}`: {term:?}")),
-        })
+        term.decode::<T>().map_err(|_| self.err(format!("bad argument `{name}`: {}", short(term))))
     }
 
     fn slot(&self, term: Term) -> NifResult<u32> {
         match term.decode::<u32>() {
             Ok(i) if (i as usize) < self.available => Ok(i),
             _ => Err(self.err(format!(
-                "a tensor argument must be a slot index below {}, got {term:?}",
-                self.available
+                "a tensor argument must be a slot index below {}, got {}",
+                self.available,
+                short(term)
             ))),
         }
     }
@@ -156,10 +156,11 @@ const PROGRAM_ID_BASE: u64 = 1 << 62;
 #[rustler::nif]
 fn program_new<'a>(
     n_inputs: i64,
-    instrs: Vec<Term<'a>>,
-    outputs: Vec<i64>,
+    instrs: List<Term<'a>>,
+    outputs: List<i64>,
     compile: bool,
 ) -> NifResult<ResourceArc<ProgramResource>> {
+    let (instrs, outputs) = (instrs.0, outputs.0);
     let n_inputs = usize::try_from(n_inputs)
         .ok()
         .filter(|&n| n <= u32::MAX as usize)
@@ -176,10 +177,14 @@ fn program_new<'a>(
         let entry = lookup(&name).ok_or_else(|| {
             argument_error(format!("program: instruction {index}: `{name}` is not an op of the op table"))
         })?;
-        let args: Vec<Term> = args.decode().map_err(|_| bad())?;
+        let args: List<Term> = args.decode().map_err(|_| bad())?;
+        let args = args.0;
         let mut instr =
             Instr { name: entry.name, index, available, slots: Vec::new(), args: Args::default() };
         (entry.decode)(&mut instr, &args)?;
+        if let Some(bad) = &instr.args.bad {
+            return Err(instr.err(bad.clone()));
+        }
         let slots = instr.slots;
         let a = instr.args;
         ffi::program_spec_push(
@@ -224,9 +229,10 @@ fn program_new<'a>(
 fn program_run(
     stream: StreamArg,
     program: ResourceArc<ProgramResource>,
-    inputs: Vec<TensorArg>,
+    inputs: List<TensorArg>,
 ) -> NifResult<Vec<TensorArg>> {
     const OP: &str = "program_run";
+    let inputs = inputs.0;
     if inputs.len() != program.n_inputs {
         return Err(argument_error(format!(
             "program_run: the program takes {} inputs, got {}",
@@ -249,7 +255,7 @@ fn program_run(
     let outs: Vec<TensorArg> = (0..program.outputs).map(|_| TensorResource::new(&worker)).collect();
     let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
     ins.request(OP);
-    worker.submit(Box::new(move |st: &mut State| {
+    worker.submit_lazy(Box::new(move |st: &mut State| {
         let res = run(st, &program, &mut ins);
         put_outputs(st, &ids, res);
     }));
