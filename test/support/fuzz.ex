@@ -25,6 +25,9 @@ defmodule Emily.Fuzz do
     :rand.seed(:exsss, {seed, seed * 7 + 1, seed * 13 + 2})
     trace = opts[:trace] && File.open!(opts[:trace], [:write, :raw])
     previous_limit = Emily.Memory.set_memory_limit(@memory_limit)
+    previous_cache = Emily.Memory.stats().cache_limit
+    probes = :ets.new(:emily_fuzz_probes, [:bag, :public])
+    Process.put(:emily_fuzz_probes, probes)
 
     try do
       state = new_state()
@@ -45,12 +48,16 @@ defmodule Emily.Fuzz do
           {st, stats}
         end)
 
-      # Every reply of the waiting calls arrives and is well-formed.
+      # Every stream's queue is drained (a waiting call runs after all queued work), so
+      # no fuzzed call is still running (or setting limits) once this returns.
       Emily.eval(Enum.filter(state.tensors, &good_tensor?/1))
+      for {_, probe} <- :ets.tab2list(probes), do: Emily.eval(probe)
       stats = drain(stats, 200)
       Map.put(stats, :functions, length(fns))
     after
       Emily.Memory.set_memory_limit(previous_limit)
+      Emily.Memory.set_cache_limit(previous_cache)
+      :ets.delete(probes)
       if trace, do: File.close(trace)
     end
   end
@@ -118,6 +125,16 @@ defmodule Emily.Fuzz do
     released = Emily.Stream.new(:cpu)
     t_released = Emily.from_list([1.0, 2.0], {:f, 32}, stream: released)
     Emily.Stream.release(released)
+
+    # A tensor of each stream, evaluated at the end to drain its queue.
+    for st <- [a, b] do
+      :ets.insert(
+        Process.get(:emily_fuzz_probes),
+        {:probe, Emily.from_list([0.0], {:f, 32}, stream: st)}
+      )
+    end
+
+    :ets.insert(Process.get(:emily_fuzz_probes), {:probe, t_released})
 
     tensors = [
       Emily.from_list([1.0, 2.0, 3.0, 4.0], {:f, 32}, stream: a, shape: {2, 2}),
