@@ -19,6 +19,8 @@ defmodule Emily do
   """
 
   alias Emily.Native
+  require Emily.Debug
+  require Emily.Telemetry
 
   @type tensor :: reference()
   @type device :: :cpu | :gpu
@@ -76,13 +78,20 @@ defmodule Emily do
 
   @doc """
   The bytes of `tensor`, row-major and native-endian, after evaluating it. The binary
-  is a view of MLX's buffer (no copy).
+  is a view of MLX's buffer (no copy). Emits `[:emily, :to_binary, *]`
+  (`Emily.Telemetry`).
   """
   @spec to_binary(tensor) :: binary
   def to_binary(tensor) do
-    ref = make_ref()
-    Native.to_binary(ref, tensor)
-    receive do: ({^ref, result} -> unwrap!(result))
+    Emily.Telemetry.span :to_binary,
+                         Emily.Telemetry.to_binary_metadata(tensor),
+                         &Emily.Telemetry.to_binary_stop/1 do
+      ref = make_ref()
+      Native.to_binary(ref, tensor)
+      bin = receive do: ({^ref, result} -> unwrap!(result))
+      Emily.Debug.check_finite(Emily.Stream.current(), tensor, "to_binary")
+      bin
+    end
   end
 
   @doc """
@@ -94,13 +103,33 @@ defmodule Emily do
   @spec to_list(tensor) :: list
   def to_list(tensor), do: tensor |> to_binary() |> Emily.Codec.unpack(dtype(tensor))
 
-  @doc "Evaluates a tensor, or a list of tensors of one stream in one graph evaluation."
+  @doc """
+  Evaluates a tensor or a list of tensors, and waits until they are evaluated. The
+  tensors may belong to several streams: each stream evaluates its own in one graph
+  evaluation, the streams in parallel. Raises the first `Emily.Error` met. Emits
+  `[:emily, :eval, *]` (`Emily.Telemetry`).
+  """
   @spec eval(tensor | [tensor]) :: :ok
   def eval(tensors) do
-    ref = make_ref()
-    Native.eval(ref, List.wrap(tensors))
-    receive do: ({^ref, result} -> unwrap!(result))
+    tensors = List.wrap(tensors)
+
+    Emily.Telemetry.span :eval, Emily.Telemetry.eval_metadata(tensors) do
+      ref = make_ref()
+      Native.eval(ref, tensors)
+      :ok = receive do: ({^ref, result} -> unwrap!(result))
+      Emily.Debug.check_finite(Emily.Stream.current(), tensors, "eval")
+      :ok
+    end
   end
+
+  @doc """
+  Starts evaluating a tensor or a list of tensors (on their own streams) and returns at
+  once. A stream goes on queueing later ops while MLX computes, so work can be
+  pipelined: `async_eval` step N, build step N + 1, then wait on step N with `eval/1` or
+  `to_binary/1`. Errors surface at that waiting call.
+  """
+  @spec async_eval(tensor | [tensor]) :: :ok
+  def async_eval(tensors), do: Native.async_eval(List.wrap(tensors))
 
   @doc "The shape of `tensor`, as a tuple."
   @spec shape(tensor) :: shape

@@ -37,6 +37,12 @@ defmodule Emily.Native do
 
   for file <- Emily.Native.Table.files(), do: @external_resource(file)
 
+  # A new table file is not one of the external resources above: recompile when the set
+  # of files changes.
+  @table_files Emily.Native.Table.files()
+  @doc false
+  def __mix_recompile__?, do: Emily.Native.Table.files() != @table_files
+
   @doc false
   def __load_nif__ do
     path = :filename.join(:code.priv_dir(:emily), ~c"native/libemily")

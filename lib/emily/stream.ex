@@ -9,8 +9,32 @@ defmodule Emily.Stream do
 
   Each device has a default stream, started with the application. `new/1` starts
   another (concurrent work on the CPU, or a stream per `Nx.Serving` partition), and
-  `with_stream/2` makes it the calling process's stream. A stream's thread stops once
-  the stream and every tensor made on it are garbage.
+  `with_stream/2` makes it the calling process's stream: `current/0` is what
+  `Emily`, `Emily.Backend` and `Emily.Compiler` dispatch to.
+
+  ## Tensors across streams
+
+  A tensor belongs to the stream that made it, and may be used by ops of any other
+  stream. An evaluated tensor is read in place, from every stream at once (the shared-
+  weights pattern: evaluate the weights once, then run requests on many streams). A lazy
+  one is first evaluated on its own stream, then read: no error and no deadlock, whatever
+  the streams do concurrently (the native `worker.rs` gives the argument), but the using
+  stream waits for that evaluation, so evaluate shared tensors up front.
+
+  ## Lifetime
+
+  A stream lives as long as its handle or any tensor made on it. Then its worker thread
+  goes back to an idle pool, with its MLX stream, and the next `new/1` of that device
+  takes it instead of starting a thread: MLX never reclaims a stream (nor, on the CPU,
+  the OS thread that runs its kernels), so Emily keeps the set of threads that call MLX
+  as small as the most streams alive at once, however many come and go
+  (`thread_stats/1`).
+
+  `release/1` lets go of a stream early: it refuses new work at once (an
+  `ArgumentError` from any op or tensor creation on it), work already queued completes,
+  and tensors already made stay fully usable — readable, and usable as inputs on other
+  streams — for as long as they are referenced; the thread is free once the last of them
+  is garbage. Default streams cannot be released.
   """
 
   @type device :: :cpu | :gpu
@@ -18,7 +42,10 @@ defmodule Emily.Stream do
 
   @key {__MODULE__, :current}
 
-  @doc "Starts a new stream (and its worker thread) on `device`."
+  @doc """
+  Starts a new stream (and its worker thread) on `device` (default:
+  `Emily.default_device/0`). Raises `ArgumentError` if MLX has no such device.
+  """
   @spec new(device) :: t
   def new(device \\ Emily.default_device()) when device in [:cpu, :gpu] do
     Emily.Native.stream_new(device)
@@ -62,6 +89,10 @@ defmodule Emily.Stream do
   """
   @spec with_stream(t, (-> result)) :: result when result: var
   def with_stream(stream, fun) when is_reference(stream) and is_function(fun, 0) do
+    if released?(stream) do
+      raise ArgumentError, "with_stream: stream #{name(stream)} has been released"
+    end
+
     previous = Process.put(@key, stream)
 
     try do
@@ -70,6 +101,38 @@ defmodule Emily.Stream do
       if previous, do: Process.put(@key, previous), else: Process.delete(@key)
     end
   end
+
+  @doc """
+  Releases `stream`: it refuses new work from now on (`ArgumentError`), and its thread
+  stops once the tensors made on it are garbage. Tensors already made stay usable.
+  Idempotent. Raises `ArgumentError` for a default stream.
+  """
+  @spec release(t) :: :ok
+  def release(stream) when is_reference(stream) do
+    if Enum.any?(
+         Emily.devices(),
+         &(:persistent_term.get({__MODULE__, :default, &1}, nil) == stream)
+       ) do
+      raise ArgumentError, "release: #{name(stream)} is a default stream and cannot be released"
+    end
+
+    Emily.Native.stream_release(stream)
+  end
+
+  @doc """
+  `%{started: n, idle: n}`: the worker threads started so far for `device` and how many
+  of them wait, idle, for a new stream. `started` only grows while more streams are
+  alive at once than ever before.
+  """
+  @spec thread_stats(device) :: %{started: non_neg_integer, idle: non_neg_integer}
+  def thread_stats(device \\ Emily.default_device()) when device in [:cpu, :gpu] do
+    {started, idle} = Emily.Native.stream_threads(device)
+    %{started: started, idle: idle}
+  end
+
+  @doc "Whether `release/1` was called on `stream`."
+  @spec released?(t) :: boolean
+  def released?(stream), do: Emily.Native.stream_released(stream)
 
   @doc "The device of `stream`."
   @spec device(t) :: device
@@ -82,7 +145,8 @@ end
 
 defmodule Emily.Stream.Defaults do
   @moduledoc false
-  # Owns the default stream of each available device for the application's lifetime.
+  # Owns, for the application's lifetime, the default stream of each available device
+  # and the fallback-warning table; applies the memory limits of the config at boot.
   use GenServer
 
   def start_link(_), do: GenServer.start_link(__MODULE__, [], name: __MODULE__)
@@ -103,6 +167,8 @@ defmodule Emily.Stream.Defaults do
       Application.get_env(:emily, :default_device, default)
     )
 
+    Emily.Fallback.create_table()
+    Emily.Memory.apply_config()
     {:ok, devices}
   end
 

@@ -49,6 +49,7 @@ fn main() {
     files.sort();
 
     let mut families = Vec::new();
+    let mut program_families = Vec::new();
     let mut cpp_files = Vec::new();
     let mut next_id = 0u32;
     let mut seen = std::collections::HashSet::new();
@@ -74,6 +75,9 @@ fn main() {
             panic!("{} must include!(concat!(env!(\"OUT_DIR\"), \"/{needle}\"))", module.display());
         }
         write_if_changed(&out.join(&needle), &codegen::rust_nifs(&numbered));
+        if generated {
+            program_families.push(family.clone());
+        }
         let cc = out.join(format!("ops_{family}.cc"));
         write_if_changed(
             &cc,
@@ -82,6 +86,7 @@ fn main() {
         cpp_files.push(cc);
         families.push(family);
     }
+    write_if_changed(&out.join("program_table.rs"), &codegen::program_table(&program_families));
     let dispatch = out.join("dispatch.cc");
     write_if_changed(&dispatch, &codegen::cpp_dispatch(&families));
     cpp_files.push(dispatch);

@@ -37,20 +37,19 @@ defmodule Emily.Native.CreationTest do
   test "an output larger than the memory limit is refused, not allocated" do
     # MLX itself would crash the process on this allocation.
     huge = N.full(s(), {1_000_000, 1_000_000}, 0, {:f, 32})
-    assert_raise Emily.Error, ~r/full: .*exceeds the memory limit/, fn -> Emily.eval(huge) end
+    assert_raise Emily.Error, ~r/full: .*above the memory limit/, fn -> Emily.eval(huge) end
     tiled = N.tile(s(), t([1.0]), [1_000_000, 1_000_000])
-    assert_raise Emily.Error, ~r/exceeds the memory limit/, fn -> Emily.eval(tiled) end
+    assert_raise Emily.Error, ~r/above the memory limit/, fn -> Emily.eval(tiled) end
     assert l(N.full(s(), {2}, 1, {:s, 32})) == [1, 1]
   end
 
   test "integer arguments that do not fit in 32 bits are refused" do
-    # Shapes are checked in Elixir terms already; other int lists are checked natively.
     assert_raise ArgumentError, ~r/shape dimensions/, fn ->
       N.reshape(s(), t([1.0]), {2 ** 33})
     end
 
-    assert_raise Emily.Error, ~r/does not fit in 32 bits/, fn ->
-      l(N.transpose(s(), t([1.0]), [2 ** 33]))
+    assert_raise ArgumentError, ~r/does not fit in 32 bits/, fn ->
+      N.transpose(s(), t([1.0]), [2 ** 33])
     end
   end
 end

@@ -29,6 +29,8 @@ rust::String mlx_version();
 bool device_available(int32_t device);
 std::unique_ptr<Stream> stream_new(int32_t device);
 void synchronize(const Stream& s);
+// Makes `s` its device's default stream on the calling thread (MLX keeps defaults per thread).
+void stream_set_default(const Stream& s);
 
 // tensor.cc
 std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,

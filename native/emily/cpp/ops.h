@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "emily.h"
+#include "guards.h"
 
 namespace emily {
 
@@ -66,20 +67,6 @@ class Reader {
   rust::Slice<const rust::String> s_;
   size_t ti_ = 0, ii_ = 0, fi_ = 0, si_ = 0;
 };
-
-// MLX does not survive an allocation it cannot make (it crashes the process), so an op
-// whose output alone is larger than the memory limit is refused before anything runs.
-inline void check_outputs(const std::vector<array>& outs) {
-  const double limit = static_cast<double>(mlx::core::get_memory_limit());
-  for (const auto& a : outs) {
-    double bytes = a.itemsize();
-    for (auto d : a.shape()) bytes *= d;
-    if (bytes > limit) {
-      throw std::invalid_argument("output of " + std::to_string(bytes / 1e9) + " GB exceeds the memory limit of " +
-                                  std::to_string(limit / 1e9) + " GB");
-    }
-  }
-}
 
 inline std::vector<array> outputs(array a) { return {std::move(a)}; }
 inline std::vector<array> outputs(std::vector<array> v) { return v; }

@@ -21,6 +21,7 @@ pub mod ffi {
         fn device_available(device: i32) -> Result<bool>;
         fn stream_new(device: i32) -> Result<UniquePtr<Stream>>;
         fn synchronize(s: &Stream) -> Result<()>;
+        fn stream_set_default(s: &Stream) -> Result<()>;
 
         fn from_bytes(data: &[u8], shape: &[i32], dtype_val: u8, dtype_size: u8) -> Result<UniquePtr<Array>>;
         fn clone_array(a: &Array) -> UniquePtr<Array>;
@@ -31,6 +32,42 @@ pub mod ffi {
         fn array_nbytes(a: &Array) -> usize;
         fn array_shape(a: &Array) -> Vec<i32>;
         fn array_dtype_val(a: &Array) -> u8;
+
+        fn async_eval_arrays(v: &ArrayVec) -> Result<()>;
+
+        // memory.h
+        include!("memory.h");
+        fn memory_active() -> Result<u64>;
+        fn memory_peak() -> Result<u64>;
+        fn memory_cache() -> Result<u64>;
+        fn memory_limit() -> Result<u64>;
+        fn memory_reset_peak() -> Result<()>;
+        fn memory_clear_cache() -> Result<()>;
+        fn memory_set_limit(limit: u64) -> Result<u64>;
+        fn memory_set_cache_limit(limit: u64) -> Result<u64>;
+        fn memory_set_wired_limit(limit: u64) -> Result<u64>;
+        fn metal_available() -> Result<bool>;
+
+        // program.h
+        include!("program.h");
+        type ProgramSpec;
+        type Compiled;
+        fn program_spec_new(n_inputs: usize) -> UniquePtr<ProgramSpec>;
+        #[allow(clippy::too_many_arguments)]
+        fn program_spec_push(
+            p: Pin<&mut ProgramSpec>,
+            op: u32,
+            name: &str,
+            slots: &[u32],
+            ints: &[i64],
+            floats: &[f64],
+            strs: &[String],
+            outputs: u32,
+        );
+        fn program_spec_outputs(p: Pin<&mut ProgramSpec>, slots: &[u32]);
+        fn program_call(p: &ProgramSpec, inputs: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
+        fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
+        fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
 
         fn op_call(
             op: u32,

@@ -1,17 +1,41 @@
 //! Streams: an Elixir handle on a worker (one MLX stream on its own thread).
+//!
+//! A handle can be released (`stream_release`): from then on it refuses new work with an
+//! `ArgumentError`, and it no longer keeps the worker alive. Tensors made on the stream
+//! keep their worker, so they stay readable and usable as inputs on other streams; the
+//! thread is free for another stream once the handle is released (or garbage) and the
+//! last of them is garbage.
 use crate::error::argument_error;
 use crate::worker::{Device, Worker};
 use rustler::{Atom, NifResult, Resource, ResourceArc};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 pub struct StreamResource {
-    pub worker: Arc<Worker>,
+    worker: RwLock<Option<Arc<Worker>>>,
+    pub device: Device,
+    pub name: String,
 }
 
 #[rustler::resource_impl]
 impl Resource for StreamResource {}
 
 pub type StreamArg = ResourceArc<StreamResource>;
+
+impl StreamResource {
+    /// The stream's worker, or `None` once the stream has been released.
+    pub fn get(&self) -> Option<Arc<Worker>> {
+        self.worker.read().unwrap().clone()
+    }
+
+    /// The stream's worker; an `ArgumentError` naming `op` once it has been released.
+    pub fn worker(&self, op: &str) -> NifResult<Arc<Worker>> {
+        self.get().ok_or_else(|| released_error(op, &self.name))
+    }
+}
+
+pub fn released_error(op: &str, name: &str) -> rustler::Error {
+    argument_error(format!("{op}: stream {name} has been released"))
+}
 
 fn device(a: Atom) -> NifResult<Device> {
     if a == crate::atoms::cpu() {
@@ -27,14 +51,40 @@ fn device(a: Atom) -> NifResult<Device> {
 /// `ArgumentError` if MLX has no such device.
 #[rustler::nif(schedule = "DirtyCpu")]
 fn stream_new(dev: Atom) -> NifResult<StreamArg> {
-    let worker = Worker::spawn(device(dev)?).map_err(|e| argument_error(format!("stream_new: {e}")))?;
-    Ok(ResourceArc::new(StreamResource { worker }))
+    let device = device(dev)?;
+    let worker = Worker::spawn(device).map_err(|e| argument_error(format!("stream_new: {e}")))?;
+    let name = worker.name.clone();
+    Ok(ResourceArc::new(StreamResource { worker: RwLock::new(Some(worker)), device, name }))
+}
+
+/// `stream_release(stream)`: closes the stream to new work (idempotent). Work already
+/// queued runs to completion.
+#[rustler::nif]
+fn stream_release(stream: StreamArg) -> Atom {
+    let worker = stream.worker.write().unwrap().take();
+    // The worker's queue may drop the last handle: never join a thread here.
+    drop(worker);
+    crate::atoms::ok()
+}
+
+/// `stream_released(stream)`: whether `stream_release` was called on it.
+#[rustler::nif]
+fn stream_released(stream: StreamArg) -> bool {
+    stream.get().is_none()
+}
+
+/// `stream_threads(device)`: `{started, idle}`, the worker threads started so far for
+/// `device` (they serve one stream at a time and are reused, never stopped) and how many
+/// of them wait for a stream now.
+#[rustler::nif]
+fn stream_threads(dev: Atom) -> NifResult<(u64, u64)> {
+    Ok(crate::worker::pool_stats(device(dev)?))
 }
 
 /// `stream_device(stream)`: `:cpu` or `:gpu`.
 #[rustler::nif]
 fn stream_device(stream: StreamArg) -> Atom {
-    match stream.worker.device {
+    match stream.device {
         Device::Cpu => crate::atoms::cpu(),
         Device::Gpu => crate::atoms::gpu(),
     }
@@ -43,7 +93,7 @@ fn stream_device(stream: StreamArg) -> Atom {
 /// `stream_name(stream)`: the worker thread's name, e.g. `"emily-cpu-1"`.
 #[rustler::nif]
 fn stream_name(stream: StreamArg) -> String {
-    stream.worker.name.clone()
+    stream.name.clone()
 }
 
 /// `mlx_version()`: the version string of the libmlx Emily is linked against.

@@ -8,11 +8,13 @@ use crate::bridge::{ffi, SendArray};
 use crate::dtype::DType;
 use crate::error::{argument_error, Error};
 use crate::stream::StreamArg;
-use crate::term::Shape;
+use crate::term::{List, Shape};
 use crate::worker::{next_id, State, Worker};
 use rustler::env::SavedTerm;
 use rustler::{Binary, Encoder, Env, LocalPid, NifResult, OwnedEnv, Resource, ResourceArc, Term};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub struct TensorResource {
     pub id: u64,
@@ -34,10 +36,10 @@ impl TensorResource {
 
 impl Drop for TensorResource {
     fn drop(&mut self) {
-        // Arrays are only ever destroyed on a worker thread.
+        // Arrays are only ever destroyed on a worker thread; nobody waits for that.
         let id = self.id;
         let evaluated = self.evaluated.take();
-        self.worker.submit(Box::new(move |st: &mut State| {
+        self.worker.submit_lazy(Box::new(move |st: &mut State| {
             st.arrays.remove(&id);
             drop(evaluated);
         }));
@@ -56,7 +58,7 @@ impl Resource for ExportResource {}
 impl Drop for ExportResource {
     fn drop(&mut self) {
         let a = self.array.take();
-        self.worker.submit(Box::new(move |_| drop(a)));
+        self.worker.submit_lazy(Box::new(move |_| drop(a)));
     }
 }
 
@@ -91,7 +93,7 @@ impl Reply {
 }
 
 /// Makes sure `t` is evaluated on its worker and records the evaluated array.
-fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<SendArray>, Error> {
+pub(crate) fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<SendArray>, Error> {
     if let Some(a) = t.evaluated.get() {
         return Ok(a.clone());
     }
@@ -131,13 +133,14 @@ fn from_binary<'a>(stream: StreamArg, data: Term<'a>, shape: Shape, dtype: DType
             want.map(|w| w.to_string()).unwrap_or_else(|| "overflow".into())
         )));
     }
-    let out = TensorResource::new(&stream.worker);
+    let worker = stream.worker("from_binary")?;
+    let out = TensorResource::new(&worker);
     let id = out.id;
     // Keep the binary alive by reference (no copy) until the worker has read it.
     let owned = OwnedEnv::new();
     let saved = owned.save(data);
     let dims: Vec<i32> = shape.0.iter().map(|&d| d as i32).collect();
-    stream.worker.submit(Box::new(move |st: &mut State| {
+    worker.submit_lazy(Box::new(move |st: &mut State| {
         let arr = owned.run(|env| {
             let bin: Binary = saved.load(env).decode().expect("saved binary");
             ffi::from_bytes(bin.as_slice(), &dims, dtype.val, dtype.size)
@@ -154,41 +157,125 @@ fn from_binary<'a>(stream: StreamArg, data: Term<'a>, shape: Shape, dtype: DType
     Ok(out)
 }
 
-/// `eval(ref, tensors)`: evaluates each tensor on its own worker; replies `{ref, :ok}`
-/// once all are done, or `{ref, {:error, e}}` with the first error.
+/// Queues a job on `t`'s own worker that evaluates it and hands the evaluated array to the
+/// returned one-shot: how a lazy tensor reaches an op of another worker (see `worker.rs`
+/// for why waiting on it cannot deadlock). `op` names the consuming op in errors.
+pub(crate) fn request_export(t: &TensorArg, op: &'static str) -> Receiver<Result<Arc<SendArray>, Error>> {
+    let (tx, rx) = mpsc::sync_channel(1);
+    if let Some(a) = t.evaluated.get() {
+        let _ = tx.send(Ok(a.clone()));
+        return rx;
+    }
+    let t2 = t.clone();
+    t.worker.submit(Box::new(move |st: &mut State| {
+        let _ = tx.send(evaluate(st, &t2, op));
+    }));
+    rx
+}
+
+/// The tensors of `tensors`, grouped by worker, in first-seen order.
+fn by_worker(tensors: Vec<TensorArg>) -> Vec<(Arc<Worker>, Vec<TensorArg>)> {
+    let mut groups: Vec<(Arc<Worker>, Vec<TensorArg>)> = Vec::new();
+    for t in tensors {
+        match groups.iter_mut().find(|(w, _)| Arc::ptr_eq(w, &t.worker)) {
+            Some((_, g)) => g.push(t),
+            None => groups.push((t.worker.clone(), vec![t])),
+        }
+    }
+    groups
+}
+
+/// Evaluates `tensors` (all of this worker) in one graph evaluation.
+fn eval_group(st: &mut State, tensors: &[TensorArg]) -> Result<(), Error> {
+    let pending: Vec<&TensorArg> = tensors.iter().filter(|t| t.evaluated.get().is_none()).collect();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let mut v = ffi::array_vec_new();
+    for t in &pending {
+        ffi::array_vec_push(v.pin_mut(), st.get(t.id, "eval")?);
+    }
+    ffi::eval_arrays(&v).map_err(|e| Error::Mlx {
+        op: "eval".into(),
+        message: e.what().into(),
+        inputs: format!("{} tensors", pending.len()),
+    })?;
+    for t in &pending {
+        evaluate(st, t, "eval")?;
+    }
+    Ok(())
+}
+
+/// The reply of a call that waits on several workers: sent once the last one is done.
+struct Gather {
+    reply: Mutex<Option<Reply>>,
+    remaining: AtomicUsize,
+    error: Mutex<Option<Error>>,
+}
+
+impl Gather {
+    fn done(&self, res: Result<(), Error>) {
+        if let Err(e) = res {
+            self.error.lock().unwrap().get_or_insert(e);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let err = self.error.lock().unwrap().take();
+            if let Some(reply) = self.reply.lock().unwrap().take() {
+                reply.send_result(match err {
+                    None => Ok(crate::atoms::ok()),
+                    Some(e) => Err(e),
+                });
+            }
+        }
+    }
+}
+
+/// `eval(ref, tensors)`: evaluates each tensor on its own worker (one graph evaluation per
+/// worker, the workers in parallel); replies `{ref, {:ok, :ok}}` once all are done, or
+/// `{ref, {:error, e}}` with an error.
 #[rustler::nif]
-fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifResult<Term<'a>> {
-    let Some(first) = tensors.first() else {
+fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifResult<Term<'a>> {
+    let groups = by_worker(tensors.0);
+    if groups.is_empty() {
+        // OwnedEnv cannot send from a scheduler thread: reply through the caller's env.
         let msg = (reference, (crate::atoms::ok(), crate::atoms::ok())).encode(env);
         let _ = env.send(&env.pid(), msg);
         return Ok(reference);
-    };
-    let reply = Reply::new(env, reference);
-    let worker = first.worker.clone();
-    if tensors.iter().any(|t| !Arc::ptr_eq(&t.worker, &worker)) {
-        return Err(argument_error("eval: all tensors must belong to one stream"));
     }
-    worker.submit_now(Box::new(move |st: &mut State| {
-        let pending: Vec<&TensorArg> = tensors.iter().filter(|t| t.evaluated.get().is_none()).collect();
-        // One graph eval for all of them, then record each evaluated array.
-        let res = (|| -> Result<(), Error> {
-            let mut v = ffi::array_vec_new();
-            for t in &pending {
-                ffi::array_vec_push(v.pin_mut(), st.get(t.id, "eval")?);
-            }
-            ffi::eval_arrays(&v).map_err(|e| Error::Mlx {
-                op: "eval".into(),
-                message: e.what().into(),
-                inputs: format!("{} tensors", pending.len()),
-            })?;
-            for t in &pending {
-                evaluate(st, t, "eval")?;
-            }
-            Ok(())
-        })();
-        reply.send_result(res.map(|_| crate::atoms::ok()));
-    }));
+    let reply = Reply::new(env, reference);
+    let gather = Arc::new(Gather {
+        reply: Mutex::new(Some(reply)),
+        remaining: AtomicUsize::new(groups.len()),
+        error: Mutex::new(None),
+    });
+    for (worker, group) in groups {
+        let gather = gather.clone();
+        worker.submit(Box::new(move |st: &mut State| gather.done(eval_group(st, &group))));
+    }
     Ok(reference)
+}
+
+/// `async_eval(tensors)`: starts evaluating each tensor on its own worker and returns at
+/// once. The worker goes on with later jobs while MLX computes; a later waiting call
+/// (`eval`, `to_binary`) finds the values ready or waits for them, and reports errors.
+#[rustler::nif]
+fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
+    for (worker, group) in by_worker(tensors.0) {
+        worker.submit(Box::new(move |st: &mut State| {
+            let mut v = ffi::array_vec_new();
+            for t in group.iter().filter(|t| t.evaluated.get().is_none()) {
+                // A failed input reports its error at the next waiting call.
+                if let Ok(a) = st.get(t.id, "async_eval") {
+                    ffi::array_vec_push(v.pin_mut(), a);
+                }
+            }
+            if ffi::array_vec_len(&v) > 0 {
+                // Errors stay with the arrays and surface when they are waited for.
+                let _ = ffi::async_eval_arrays(&v);
+            }
+        }));
+    }
+    crate::atoms::ok()
 }
 
 /// `to_binary(ref, tensor)`: replies `{ref, {:ok, binary}}`, the binary a zero-copy view of
@@ -197,7 +284,7 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: Vec<TensorArg>) -> NifRe
 fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
-    worker.submit_now(Box::new(move |st: &mut State| match evaluate(st, &tensor, "to_binary") {
+    worker.submit(Box::new(move |st: &mut State| match evaluate(st, &tensor, "to_binary") {
         Err(e) => reply.send_result::<()>(Err(e)),
         Ok(arr) => {
             let len = ffi::array_nbytes(&arr.0);
@@ -221,7 +308,7 @@ fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'
 fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
-    worker.submit_now(Box::new(move |st: &mut State| {
+    worker.submit(Box::new(move |st: &mut State| {
         let res = st.get(tensor.id, "describe").map(|a| (ffi::array_shape(a), ffi::array_dtype_val(a)));
         reply.send(|env| match res {
             Ok((shape, val)) => {
@@ -235,8 +322,15 @@ fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a
     reference
 }
 
-/// Whether `tensor` belongs to `stream`'s worker.
+/// Whether `tensor` belongs to `stream`'s worker (false once the stream is released).
 #[rustler::nif]
 fn tensor_on_stream(tensor: TensorArg, stream: StreamArg) -> bool {
-    Arc::ptr_eq(&tensor.worker, &stream.worker)
+    stream.get().is_some_and(|w| Arc::ptr_eq(&tensor.worker, &w))
+}
+
+/// `tensor_evaluated(tensor)`: whether an evaluated copy of `tensor` is held, so that any
+/// stream can read it without waiting on its own.
+#[rustler::nif]
+fn tensor_evaluated(tensor: TensorArg) -> bool {
+    tensor.evaluated.get().is_some()
 }

@@ -17,8 +17,8 @@ impl<'a> Decoder<'a> for Shape {
                 .map(|t| t.decode::<i64>())
                 .collect::<NifResult<_>>()
                 .map_err(|_| argument_error(format!("expected a shape of integers, got: {term:?}")))?,
-            _ => term.decode().map_err(|_| {
-                argument_error(format!("expected a shape (tuple or list of integers), got: {term:?}"))
+            _ => term.decode::<List<i64>>().map(|l| l.0).map_err(|_| {
+                argument_error(format!("expected a shape (tuple or list of integers), got: {}", short(term)))
             })?,
         };
         if let Some(d) = dims.iter().find(|&&d| d < 0 || d > i32::MAX as i64) {
@@ -58,5 +58,28 @@ impl<'a> Decoder<'a> for Number {
             }
         }
         Err(argument_error(format!("expected a number, :nan, :infinity or :neg_infinity, got: {term:?}")))
+    }
+}
+
+/// A proper list. Use it instead of `Vec<T>` for list arguments: rustler's `Vec` decoder
+/// panics on an improper list (`[1 | 2]`), which reaches Elixir as `:nif_panicked`
+/// instead of an `ArgumentError`.
+pub struct List<T>(pub Vec<T>);
+
+impl<'a, T: Decoder<'a>> Decoder<'a> for List<T> {
+    fn decode(term: Term<'a>) -> NifResult<Self> {
+        if term.list_length().is_err() {
+            return Err(argument_error(format!("expected a proper list, got: {}", short(term))));
+        }
+        Ok(List(term.decode()?))
+    }
+}
+
+/// `term` as errors show it, cut to a readable length.
+pub fn short(term: Term) -> String {
+    let s = format!("{term:?}");
+    match s.char_indices().nth(120) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s,
     }
 }

@@ -10,22 +10,40 @@
 //! and the worker builds nodes while the caller goes on (the performance targets of
 //! `bench/` rest on this). Only evaluated arrays cross threads (`bridge::SendArray`).
 //!
-//! Lazy ops do not wake the worker: they only join its queue. A waiting call (eval,
-//! to_binary, ...) wakes it, and so does a queue grown to `WAKE_AT` jobs, so the worker
-//! then builds a whole chain of nodes in one go instead of paying a thread wake-up per op.
+//! Dropping the last handle to a worker (its stream and every tensor made on it) closes
+//! its queue; the thread drains the queue, drops its arrays and compiled programs, and
+//! goes back to an idle pool with its MLX stream. The next new stream on that device takes
+//! an idle thread instead of starting one. MLX never reclaims a stream (nor, on the CPU,
+//! the OS thread that runs its kernels), so reusing threads is what keeps the set of
+//! threads that call MLX bounded by the most streams ever alive at once, however many
+//! streams come and go. Each thread also makes its stream its MLX default, so that MLX
+//! code that falls back to the default stream does not create another one.
 //!
-//! Dropping the last handle to a worker closes its queue; the thread drains the queue,
-//! drops its arrays and stream, and is joined by the reaper thread, never by a scheduler.
+//! ## Cross-stream inputs, and why they cannot deadlock
+//!
+//! A lazy tensor of worker A used by an op on worker B is first evaluated on A: the NIF
+//! queues an export job on A, then queues the op on B; B's job waits for the export's
+//! one-shot reply before it builds its node. Only op jobs wait, and only on exports; an
+//! export evaluates A's own graph, which never holds a lazy array of another worker (its
+//! cross-stream inputs were resolved the same way when its nodes were built), so an export
+//! never waits on another worker.
+//!
+//! Every wait points back in time: a job waits on an export queued *before* it (same NIF
+//! call, in program order), and a queued job waits on the jobs ahead of it on its own
+//! worker, which were queued before it. A cycle of waits would need a job queued strictly
+//! before itself, so there is none: take the earliest-queued waiting job J; the export it
+//! waits on is either running (and finishes: exports do not wait) or queued behind a job C
+//! of A that was queued before the export, hence before J, and that is not waiting either
+//! (J is the earliest waiting job), so C finishes and the export runs.
 use crate::bridge::ffi;
 use crate::error::Error;
 use cxx::UniquePtr;
 use std::collections::HashMap;
-use std::collections::VecDeque;
+use std::sync::atomic::{fence, AtomicBool, AtomicUsize};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::Thread;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -37,6 +55,9 @@ pub enum Device {
 pub struct State {
     pub stream: UniquePtr<ffi::Stream>,
     pub arrays: HashMap<u64, Slot>,
+    /// Programs compiled with `mx::compile` on this worker, by program id (never reused).
+    /// MLX's compile cache is thread-local: they are built, called and dropped here only.
+    pub compiled: HashMap<u64, UniquePtr<ffi::Compiled>>,
 }
 
 /// A tensor's value on its worker: the (possibly lazy) array, or why it has none.
@@ -66,170 +87,218 @@ impl State {
 
 pub type Job = Box<dyn FnOnce(&mut State) + Send>;
 
-/// Lazy jobs queued beyond this many wake the worker anyway, so that long chains overlap
-/// with the caller instead of piling up.
-const WAKE_AT: usize = 64;
+/// Lazy jobs queued before the worker is woken anyway (bounds the work a wait finds).
+const LAZY_BATCH: usize = 32;
 
-/// After running its jobs, a worker polls for more this long before sleeping: a caller
-/// that waits on a result usually sends the next request within microseconds.
-const SPIN: Duration = Duration::from_micros(50);
-
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    closed: bool,
+/// The worker side of a session: its queue, and the flag that says it is asleep.
+///
+/// Lazy ops are queued without waking a sleeping worker: it builds their nodes when
+/// something needs a value, or when `LAZY_BATCH` are pending. Waking a thread for each op
+/// would cost a context switch per op, and on a busy machine every woken worker competes
+/// with the BEAM's scheduler threads for a core. Sending is lock-free, so a scheduler
+/// never waits for a worker that the OS has descheduled.
+struct Session {
+    rx: Receiver<Job>,
+    sleeping: Arc<AtomicBool>,
 }
 
-struct Shared {
-    queue: Mutex<Queue>,
-    ready: Condvar,
-}
-
+/// An Emily stream's handle on the thread that serves it. Dropping the last one ends the
+/// thread's session (see the module doc).
 pub struct Worker {
-    shared: Arc<Shared>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    tx: Option<Sender<Job>>,
+    thread: Thread,
+    sleeping: Arc<AtomicBool>,
+    lazy: AtomicUsize,
     pub device: Device,
     pub name: String,
 }
 
 static NEXT_TENSOR_ID: AtomicU64 = AtomicU64::new(1);
-static NEXT_WORKER: AtomicU64 = AtomicU64::new(1);
+static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
+static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
 
 /// A fresh tensor id; ids are never reused.
 pub fn next_id() -> u64 {
     NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed)
 }
 
+/// An idle worker thread, waiting for its next session's queue.
+struct Idle {
+    device: Device,
+    handoff: Sender<Session>,
+    thread: Thread,
+}
+
+fn idle() -> &'static Mutex<Vec<Idle>> {
+    static IDLE: Mutex<Vec<Idle>> = Mutex::new(Vec::new());
+    &IDLE
+}
+
+/// Threads started so far, by device (they never stop while the VM runs).
+static THREADS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// `(threads started, threads idle)` for `device`.
+pub fn pool_stats(device: Device) -> (u64, u64) {
+    let idle = idle().lock().unwrap().iter().filter(|i| i.device == device).count() as u64;
+    (THREADS[device as usize].load(Ordering::Relaxed), idle)
+}
+
+fn device_name(device: Device) -> &'static str {
+    if device == Device::Cpu {
+        "cpu"
+    } else {
+        "gpu"
+    }
+}
+
 impl Worker {
-    /// Starts a worker thread with a new stream on `device`. Blocks until the stream exists
-    /// (a thread spawn and `mx::new_stream`: call it from a dirty scheduler).
+    /// A worker for a new stream on `device`: an idle thread if there is one, else a new
+    /// thread with a new MLX stream. Starting a thread blocks until its stream exists
+    /// (call it from a dirty scheduler).
     pub fn spawn(device: Device) -> Result<Arc<Worker>, String> {
-        let shared = Arc::new(Shared { queue: Mutex::new(Queue::default()), ready: Condvar::new() });
-        let queue = shared.clone();
+        let (tx, rx) = mpsc::channel::<Job>();
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let name = format!("emily-{}-{}", device_name(device), NEXT_STREAM.fetch_add(1, Ordering::Relaxed));
+        let worker = |tx, thread| {
+            Arc::new(Worker {
+                tx: Some(tx),
+                thread,
+                sleeping: sleeping.clone(),
+                lazy: AtomicUsize::new(0),
+                device,
+                name: name.clone(),
+            })
+        };
+        let mut session = Session { rx, sleeping: sleeping.clone() };
+        loop {
+            let reuse = {
+                let mut idle = idle().lock().unwrap();
+                idle.iter().rposition(|i| i.device == device).map(|k| idle.swap_remove(k))
+            };
+            let Some(idle) = reuse else { break };
+            match idle.handoff.send(session) {
+                Ok(()) => return Ok(worker(tx, idle.thread)),
+                // That thread is gone (it cannot be while the VM runs); try another.
+                Err(mpsc::SendError(back)) => session = back,
+            }
+        }
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
-        let name = format!(
-            "emily-{}-{}",
-            if device == Device::Cpu { "cpu" } else { "gpu" },
-            NEXT_WORKER.fetch_add(1, Ordering::Relaxed)
-        );
-        let thread = std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || run(device, &queue, ready_tx))
+        let thread_name =
+            format!("emily-{}-t{}", device_name(device), NEXT_THREAD.fetch_add(1, Ordering::Relaxed));
+        let handle = std::thread::Builder::new()
+            .name(thread_name)
+            .spawn(move || run(device, session, ready_tx))
             .map_err(|e| format!("cannot start worker thread: {e}"))?;
         match ready_rx.recv() {
-            Ok(Ok(())) => Ok(Arc::new(Worker { shared, thread: Mutex::new(Some(thread)), device, name })),
-            Ok(Err(e)) => {
-                let _ = thread.join();
-                Err(e)
+            Ok(Ok(())) => {
+                THREADS[device as usize].fetch_add(1, Ordering::Relaxed);
+                Ok(worker(tx, handle.thread().clone()))
             }
+            Ok(Err(e)) => Err(e),
             Err(_) => Err("worker thread died while starting".into()),
         }
     }
 
-    /// Queues a lazy job (building a node, dropping an array): it runs before any later
-    /// job, but nothing waits for it, so the worker is not woken for it alone.
+    /// Queues `job` and wakes the worker. Jobs run in order; a job's panic is caught so
+    /// the worker lives on.
     pub fn submit(&self, job: Job) {
-        self.push(job, false)
+        self.push(job, false);
     }
 
-    /// Queues a job someone waits for, and wakes the worker.
-    pub fn submit_now(&self, job: Job) {
-        self.push(job, true)
+    /// Queues a lazy op's job: it runs before any later job, but does not wake the worker
+    /// by itself (see `Queue`).
+    pub fn submit_lazy(&self, job: Job) {
+        self.push(job, true);
     }
 
-    fn push(&self, job: Job, wake: bool) {
-        let mut q = self.shared.queue.lock().unwrap();
-        if q.closed {
+    fn push(&self, job: Job, lazy: bool) {
+        let Some(tx) = &self.tx else { return };
+        if tx.send(job).is_err() {
             return;
         }
-        q.jobs.push_back(job);
-        let wake = wake || q.jobs.len() >= WAKE_AT;
-        drop(q);
-        if wake {
-            self.shared.ready.notify_one();
+        if lazy && !(self.lazy.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(LAZY_BATCH) {
+            return;
+        }
+        // Pairs with the worker's store before its last look at the queue: either it sees
+        // this job, or this sees it asleep (see `next_job`).
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.thread.unpark();
         }
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        self.shared.queue.lock().unwrap().closed = true;
-        self.shared.ready.notify_one();
-        if let Some(handle) = self.thread.lock().unwrap().take() {
-            reaper().lock().unwrap().send(handle).ok();
-        }
+        // Ends the session once the thread has run what is queued; nothing waits here.
+        self.tx.take();
+        self.thread.unpark();
     }
 }
 
-fn run(device: Device, shared: &Shared, ready: Sender<Result<(), String>>) {
+/// The session's next job, sleeping while there is none; `None` once it is over.
+fn next_job(session: &Session) -> Option<Job> {
+    loop {
+        match session.rx.try_recv() {
+            Ok(job) => return Some(job),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => {}
+        }
+        session.sleeping.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        match session.rx.try_recv() {
+            Ok(job) => {
+                session.sleeping.store(false, Ordering::SeqCst);
+                return Some(job);
+            }
+            Err(TryRecvError::Disconnected) => {
+                session.sleeping.store(false, Ordering::SeqCst);
+                return None;
+            }
+            // Woken by a job that needs running, by the session's end, or spuriously.
+            Err(TryRecvError::Empty) => std::thread::park(),
+        }
+        session.sleeping.store(false, Ordering::SeqCst);
+    }
+}
+
+fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
     let stream = match ffi::device_available(device as i32) {
         Ok(true) => ffi::stream_new(device as i32).map_err(|e| e.what().to_string()),
         Ok(false) => Err(format!("device {device:?} is not available in this MLX build")),
         Err(e) => Err(e.what().to_string()),
     };
-    let stream = match stream {
-        Ok(s) => {
-            let _ = ready.send(Ok(()));
-            s
-        }
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let mut state = State { stream, arrays: HashMap::new() };
-    let mut batch = VecDeque::new();
+    let stream =
+        match stream.and_then(|s| ffi::stream_set_default(&s).map(|_| s).map_err(|e| e.what().to_string())) {
+            Ok(s) => {
+                let _ = ready.send(Ok(()));
+                s
+            }
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+    let mut state = State { stream, arrays: HashMap::new(), compiled: HashMap::new() };
+    let mut session = first;
     loop {
-        {
-            let mut q = shared.queue.lock().unwrap();
-            if q.jobs.is_empty() && !q.closed {
-                drop(q);
-                spin(shared);
-                q = shared.queue.lock().unwrap();
-            }
-            while q.jobs.is_empty() && !q.closed {
-                q = shared.ready.wait(q).unwrap();
-            }
-            if q.jobs.is_empty() && q.closed {
-                break;
-            }
-            std::mem::swap(&mut q.jobs, &mut batch);
-        }
-        for job in batch.drain(..) {
+        while let Some(job) = next_job(&session) {
             // MLX errors arrive as Results; a panic here would be a bug in Emily, and must
             // not take the VM down with it.
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut state)));
         }
-    }
-    drop(state);
-}
-
-/// Polls the queue for up to `SPIN` before the worker goes to sleep.
-fn spin(shared: &Shared) {
-    let start = Instant::now();
-    while start.elapsed() < SPIN {
-        if let Ok(q) = shared.queue.try_lock() {
-            if !q.jobs.is_empty() || q.closed {
-                return;
-            }
+        // The session is over: every handle is gone, so nothing can name these any more.
+        // Compiled programs go first: their cache entries live in this thread's cache.
+        state.compiled.clear();
+        state.arrays.clear();
+        // Waits for the stream's last kernels, and takes any error they left behind (an
+        // async_eval nobody waited for) so that the next session starts clean.
+        let _ = ffi::synchronize(&state.stream);
+        let (handoff, next) = mpsc::channel::<Session>();
+        idle().lock().unwrap().push(Idle { device, handoff, thread: std::thread::current() });
+        match next.recv() {
+            Ok(next) => session = next,
+            Err(_) => break,
         }
-        std::hint::spin_loop();
     }
-}
-
-/// Joins finished worker threads off the schedulers.
-fn reaper() -> &'static Mutex<Sender<JoinHandle<()>>> {
-    static REAPER: OnceLock<Mutex<Sender<JoinHandle<()>>>> = OnceLock::new();
-    REAPER.get_or_init(|| {
-        let (tx, rx) = mpsc::channel::<JoinHandle<()>>();
-        std::thread::Builder::new()
-            .name("emily-reaper".into())
-            .spawn(move || {
-                for h in rx {
-                    let _ = h.join();
-                }
-            })
-            .expect("reaper thread");
-        Mutex::new(tx)
-    })
 }

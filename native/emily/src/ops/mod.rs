@@ -6,19 +6,23 @@
 use crate::bridge::{ffi, SendArray};
 use crate::dtype::DType;
 use crate::error::{argument_error, Error};
-use crate::stream::StreamArg;
-use crate::tensor::{mlx_error, TensorArg, TensorResource};
+use crate::stream::{released_error, StreamArg};
+use crate::tensor::{mlx_error, request_export, TensorArg, TensorResource};
 use crate::worker::{State, Worker};
 use rustler::NifResult;
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 pub mod binary;
 pub mod conv;
 pub mod creation;
+pub mod debug;
 pub mod fast;
 pub mod fft;
 pub mod index;
 pub mod linalg;
+pub mod memory;
+pub mod program;
 pub mod quant;
 pub mod random;
 pub mod reduce;
@@ -39,71 +43,93 @@ pub fn output_count(name: &str, n: i64) -> NifResult<usize> {
     }
 }
 
-enum Input {
-    /// A tensor held by the call's own worker.
+/// A tensor input of a job, from the NIF (scheduler side) to the worker.
+pub(crate) enum Input {
+    /// A tensor held by the job's own worker.
     Local(u64),
     /// An evaluated tensor of another worker.
     Shared(Arc<SendArray>),
+    /// A lazy tensor of another worker, not yet asked for (see `Inputs::request`).
+    Foreign(TensorArg),
+    /// The one-shot an export job on the tensor's own worker fills.
+    Awaiting(Receiver<Result<Arc<SendArray>, Error>>),
 }
 
-pub struct Call {
-    worker: Arc<Worker>,
-    op: u32,
-    name: &'static str,
-    outputs: usize,
-    inputs: Vec<Input>,
-    ints: Vec<i64>,
-    floats: Vec<f64>,
-    strs: Vec<String>,
-}
+/// The tensor inputs of one job, in order.
+#[derive(Default)]
+pub(crate) struct Inputs(Vec<Input>);
 
-impl Call {
-    pub fn new(stream: &StreamArg, op: u32, name: &'static str, outputs: usize) -> Call {
-        Call {
-            worker: stream.worker.clone(),
-            op,
-            name,
-            outputs,
-            inputs: Vec::new(),
-            ints: Vec::new(),
-            floats: Vec::new(),
-            strs: Vec::new(),
-        }
-    }
-
-    pub fn tensor(&mut self, t: &TensorArg) -> NifResult<()> {
-        let input = if Arc::ptr_eq(&t.worker, &self.worker) {
+impl Inputs {
+    /// Adds `t` as seen from a job of `worker` (`None`: a released stream, whose job is
+    /// refused before anything is queued).
+    pub fn push(&mut self, t: &TensorArg, worker: Option<&Arc<Worker>>) {
+        let input = if worker.is_some_and(|w| Arc::ptr_eq(&t.worker, w)) {
             Input::Local(t.id)
         } else if let Some(a) = t.evaluated.get() {
             Input::Shared(a.clone())
         } else {
-            return Err(argument_error(format!(
-                "{}: an input tensor is lazy on another stream ({}); evaluate it first",
-                self.name, t.worker.name
-            )));
+            Input::Foreign(t.clone())
         };
-        self.inputs.push(input);
-        Ok(())
+        self.0.push(input);
     }
 
-    pub fn opt_tensor(&mut self, t: &Option<TensorArg>) -> NifResult<()> {
-        self.ints.push(t.is_some() as i64);
-        match t {
-            Some(t) => self.tensor(t),
-            None => Ok(()),
+    /// Queues an export for every lazy foreign input. Call it on the scheduler, right
+    /// before queueing the job that uses the inputs: each export is then queued before
+    /// the job that waits on it, which is what rules out deadlocks (`worker.rs`).
+    pub fn request(&mut self, op: &'static str) {
+        for input in &mut self.0 {
+            if let Input::Foreign(t) = input {
+                *input = Input::Awaiting(request_export(t, op));
+            }
         }
     }
 
-    pub fn tensors(&mut self, ts: &[TensorArg]) -> NifResult<()> {
-        self.ints.push(ts.len() as i64);
-        ts.iter().try_for_each(|t| self.tensor(t))
+    /// On the worker: waits for the exports, then lists the arrays in order.
+    pub fn resolve<'s>(&'s mut self, st: &'s State, op: &str) -> Result<Vec<&'s ffi::Array>, Error> {
+        for input in &mut self.0 {
+            if let Input::Awaiting(rx) = input {
+                let a = rx.recv().unwrap_or_else(|_| {
+                    Err(Error::Mlx {
+                        op: op.into(),
+                        message: "the stream of an input stopped before evaluating it".into(),
+                        inputs: String::new(),
+                    })
+                })?;
+                *input = Input::Shared(a);
+            }
+        }
+        self.0
+            .iter()
+            .map(|input| match input {
+                Input::Local(id) => st.get(*id, op),
+                Input::Shared(a) => Ok(&*a.0),
+                Input::Foreign(_) | Input::Awaiting(_) => unreachable!("requested and resolved above"),
+            })
+            .collect()
     }
+}
 
+/// The scalar arguments of an op, in the order the generated C++ `Reader` reads them.
+#[derive(Default, Clone)]
+pub struct Args {
+    pub ints: Vec<i64>,
+    pub floats: Vec<f64>,
+    pub strs: Vec<String>,
+    /// Why an argument was refused (reported when the op is submitted).
+    pub bad: Option<String>,
+}
+
+impl Args {
     pub fn int(&mut self, i: i64) {
         self.ints.push(i);
     }
 
+    /// An `ints` argument: MLX takes these as 32-bit ints (axes, starts, strides), so a
+    /// value outside that range is refused rather than silently wrapped.
     pub fn ints(&mut self, v: &[i64]) {
+        if let Some(x) = v.iter().find(|&&x| i32::try_from(x).is_err()) {
+            self.bad.get_or_insert_with(|| format!("{x} in {v:?} does not fit in 32 bits"));
+        }
         self.ints.push(v.len() as i64);
         self.ints.extend_from_slice(v);
     }
@@ -120,57 +146,142 @@ impl Call {
     pub fn str(&mut self, s: String) {
         self.strs.push(s);
     }
+}
+
+/// The share of a scheduler timeslice (about 1 ms) charged per op NIF call.
+pub const OP_TIMESLICE_PERCENT: i32 = 2;
+
+pub struct Call {
+    stream: StreamArg,
+    worker: Option<Arc<Worker>>,
+    op: u32,
+    name: &'static str,
+    outputs: usize,
+    inputs: Inputs,
+    args: Args,
+}
+
+impl Call {
+    pub fn new(env: rustler::Env, stream: &StreamArg, op: u32, name: &'static str, outputs: usize) -> Call {
+        // Queueing an op costs microseconds, but a process that queues many in a row
+        // would otherwise hold its scheduler for as long as it likes: charging each call
+        // a share of the timeslice makes it yield like Erlang code does.
+        rustler::schedule::consume_timeslice(env, OP_TIMESLICE_PERCENT);
+        Call {
+            stream: stream.clone(),
+            worker: stream.get(),
+            op,
+            name,
+            outputs,
+            inputs: Inputs::default(),
+            args: Args::default(),
+        }
+    }
+
+    pub fn tensor(&mut self, t: &TensorArg) -> NifResult<()> {
+        self.inputs.push(t, self.worker.as_ref());
+        Ok(())
+    }
+
+    pub fn opt_tensor(&mut self, t: &Option<TensorArg>) -> NifResult<()> {
+        self.args.int(t.is_some() as i64);
+        match t {
+            Some(t) => self.tensor(t),
+            None => Ok(()),
+        }
+    }
+
+    pub fn tensors(&mut self, ts: &[TensorArg]) -> NifResult<()> {
+        self.args.int(ts.len() as i64);
+        ts.iter().try_for_each(|t| self.tensor(t))
+    }
+
+    pub fn int(&mut self, i: i64) {
+        self.args.int(i);
+    }
+
+    pub fn ints(&mut self, v: &[i64]) {
+        self.args.ints(v);
+    }
+
+    pub fn float(&mut self, f: f64) {
+        self.args.float(f);
+    }
+
+    pub fn dtype(&mut self, d: DType) {
+        self.args.dtype(d);
+    }
+
+    pub fn str(&mut self, s: String) {
+        self.args.str(s);
+    }
 
     pub fn submit_one(self) -> NifResult<TensorArg> {
-        Ok(self.submit().pop().expect("one output"))
+        Ok(self.submit()?.pop().expect("one output"))
     }
 
     pub fn submit_many(self) -> NifResult<Vec<TensorArg>> {
-        Ok(self.submit())
+        self.submit()
     }
 
-    fn submit(self) -> Vec<TensorArg> {
-        let outs: Vec<TensorArg> = (0..self.outputs).map(|_| TensorResource::new(&self.worker)).collect();
+    fn submit(mut self) -> NifResult<Vec<TensorArg>> {
+        if let Some(bad) = &self.args.bad {
+            return Err(crate::error::argument_error(format!("{}: {bad}", self.name)));
+        }
+        let Some(worker) = self.worker.take() else {
+            return Err(released_error(self.name, &self.stream.name));
+        };
+        let outs: Vec<TensorArg> = (0..self.outputs).map(|_| TensorResource::new(&worker)).collect();
         let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
-        let worker = self.worker.clone();
-        worker.submit(Box::new(move |st: &mut State| match self.run(st) {
-            Ok(mut v) => {
-                for (i, id) in ids.into_iter().enumerate() {
-                    let a = ffi::array_vec_take(v.pin_mut(), i).expect("output count checked");
-                    st.put(id, Ok(a));
-                }
-            }
-            Err(e) => {
-                let e = Arc::new(e);
-                for id in ids {
-                    st.put(id, Err(e.clone()));
-                }
-            }
+        self.inputs.request(self.name);
+        worker.submit_lazy(Box::new(move |st: &mut State| {
+            let res = self.run(st);
+            put_outputs(st, &ids, res);
         }));
-        outs
+        Ok(outs)
     }
 
-    fn run(&self, st: &State) -> Result<cxx::UniquePtr<ffi::ArrayVec>, Error> {
+    fn run(&mut self, st: &State) -> Result<cxx::UniquePtr<ffi::ArrayVec>, Error> {
+        let refs = self.inputs.resolve(st, self.name)?;
         let mut v = ffi::array_vec_new();
-        let mut refs: Vec<&ffi::Array> = Vec::with_capacity(self.inputs.len());
-        for input in &self.inputs {
-            let a = match input {
-                Input::Local(id) => st.get(*id, self.name)?,
-                Input::Shared(a) => &a.0,
-            };
+        for a in &refs {
             ffi::array_vec_push(v.pin_mut(), a);
-            refs.push(a);
         }
-        let out = ffi::op_call(self.op, &v, &self.ints, &self.floats, &self.strs, &st.stream)
+        let a = &self.args;
+        let out = ffi::op_call(self.op, &v, &a.ints, &a.floats, &a.strs, &st.stream)
             .map_err(|e| mlx_error(self.name, e, &refs))?;
-        let n = ffi::array_vec_len(&out);
-        if n != self.outputs {
-            return Err(Error::Mlx {
-                op: self.name.into(),
-                message: format!("returned {n} arrays, the op table says {}", self.outputs),
-                inputs: String::new(),
-            });
-        }
+        check_outputs(self.name, &out, self.outputs)?;
         Ok(out)
+    }
+}
+
+/// Checks that an op returned as many arrays as its table row says.
+pub(crate) fn check_outputs(op: &str, out: &ffi::ArrayVec, expected: usize) -> Result<(), Error> {
+    let n = ffi::array_vec_len(out);
+    if n != expected {
+        return Err(Error::Mlx {
+            op: op.into(),
+            message: format!("returned {n} arrays, the op table says {expected}"),
+            inputs: String::new(),
+        });
+    }
+    Ok(())
+}
+
+/// Stores a job's outputs (or its error, in every output) under `ids`.
+pub(crate) fn put_outputs(st: &mut State, ids: &[u64], res: Result<cxx::UniquePtr<ffi::ArrayVec>, Error>) {
+    match res {
+        Ok(mut v) => {
+            for (i, &id) in ids.iter().enumerate() {
+                let a = ffi::array_vec_take(v.pin_mut(), i).expect("output count checked");
+                st.put(id, Ok(a));
+            }
+        }
+        Err(e) => {
+            let e = Arc::new(e);
+            for &id in ids {
+                st.put(id, Err(e.clone()));
+            }
+        }
     }
 }

@@ -1,0 +1,138 @@
+defmodule Emily.Memory do
+  @moduledoc """
+  MLX's memory: how much is in use, the cache of freed buffers, and their limits.
+
+  MLX keeps freed buffers in a cache for reuse. Without a cache limit that cache can grow
+  with every new shape a service sees (on Metal and CUDA it defaults to the memory limit):
+  set one with `set_cache_limit/1` or at boot. All figures are bytes, and global to the
+  process (MLX has one allocator per device, shared by all streams).
+
+  ## Configuration
+
+  Applied when the application starts:
+
+      config :emily,
+        memory_limit: 8 * 1024 ** 3,   # set_memory_limit/1
+        cache_limit: 512 * 1024 ** 2,  # set_cache_limit/1
+        wired_limit: 0                 # set_wired_limit/1 (Metal only; ignored elsewhere with a warning)
+
+  ## The memory limit, and what happens above it
+
+  MLX treats its memory limit as a guideline: on Metal it makes allocations wait for (or
+  evict) cached memory, and it raises where none can be found. On the CPU it does not
+  enforce it at all, and does not check that an allocation succeeded: a result larger
+  than the machine can hold crashes the process when it is evaluated. So Emily refuses,
+  on every device, any op result (an op's output, or a program instruction's) whose size
+  is above the limit: that op fails with an `Emily.Error` ("... needs N bytes, above the
+  memory limit of M bytes") at the next waiting call, and the VM and the stream go on.
+
+  What this does not cover: many results that are each below the limit but together
+  above what the machine has, and scratch buffers MLX allocates inside a kernel. Keep
+  the limit below the machine's memory (MLX's default is 80% of RAM on the CPU).
+
+  Every function here runs on the default CPU stream's worker: it waits for the work
+  queued there before it, and `clear_cache/0` and `set_cache_limit/1` also wait for the
+  work running on every CPU stream.
+  """
+
+  require Emily.Telemetry
+
+  @type stats :: %{
+          active: non_neg_integer,
+          peak: non_neg_integer,
+          cache: non_neg_integer,
+          memory_limit: non_neg_integer,
+          cache_limit: non_neg_integer
+        }
+
+  @doc """
+  MLX's memory figures, in bytes: `active` (held by live arrays), `peak` (the most
+  `active` has been since start or `reset_peak/0`), `cache` (freed buffers kept for
+  reuse), `memory_limit` and `cache_limit`. Emits `[:emily, :memory, :stats]`.
+
+      iex> %{active: active, memory_limit: limit} = Emily.Memory.stats()
+      iex> is_integer(active) and limit > 0
+      true
+  """
+  @spec stats() :: stats
+  def stats do
+    stats = call(&Emily.Native.memory_stats/2)
+
+    Emily.Telemetry.execute(
+      [:memory, :stats],
+      Emily.Telemetry.memory_measurements(stats),
+      %{}
+    )
+
+    stats
+  end
+
+  @doc "Resets the peak figure to zero; from then on it tracks the highest active memory again."
+  @spec reset_peak() :: :ok
+  def reset_peak, do: call(&Emily.Native.reset_peak_memory/2)
+
+  @doc "Returns the cached buffers to the system."
+  @spec clear_cache() :: :ok
+  def clear_cache, do: call(&Emily.Native.clear_cache/2)
+
+  @doc """
+  Sets the cache limit (bytes; `0` disables the cache) and returns the previous one. The
+  cache shrinks to the limit at once.
+  """
+  @spec set_cache_limit(non_neg_integer) :: non_neg_integer
+  def set_cache_limit(bytes) when is_integer(bytes) and bytes >= 0,
+    do: call(&Emily.Native.set_cache_limit(&1, &2, bytes))
+
+  @doc """
+  Sets the memory limit (bytes) and returns the previous one. Results above it fail with
+  `Emily.Error` (see the moduledoc).
+  """
+  @spec set_memory_limit(pos_integer) :: non_neg_integer
+  def set_memory_limit(bytes) when is_integer(bytes) and bytes > 0,
+    do: call(&Emily.Native.set_memory_limit(&1, &2, bytes))
+
+  @doc """
+  Sets Metal's wired limit (bytes kept resident) and returns the previous one. Raises
+  `Emily.Error` where MLX does not run on Metal.
+  """
+  @spec set_wired_limit(non_neg_integer) :: non_neg_integer
+  def set_wired_limit(bytes) when is_integer(bytes) and bytes >= 0,
+    do: call(&Emily.Native.set_wired_limit(&1, &2, bytes))
+
+  @doc false
+  # Applies the limits of the application environment (at boot).
+  def apply_config(env \\ Application.get_all_env(:emily)) do
+    for {key, setter} <- [
+          memory_limit: &set_memory_limit/1,
+          cache_limit: &set_cache_limit/1,
+          wired_limit: &set_wired_limit/1
+        ],
+        value = env[key],
+        value != nil do
+      unless is_integer(value) and value >= 0 do
+        raise ArgumentError,
+              "config :emily, #{key}: expected a non-negative number of bytes, got #{inspect(value)}"
+      end
+
+      try do
+        setter.(value)
+      rescue
+        e in Emily.Error ->
+          require Logger
+          Logger.warning("config :emily, #{key} ignored: #{Exception.message(e)}")
+      end
+    end
+
+    :ok
+  end
+
+  defp call(fun) do
+    ref = make_ref()
+    fun.(ref, Emily.Stream.default(:cpu))
+
+    receive do
+      {^ref, {:ok, value}} -> value
+      {^ref, {:error, exception}} -> raise exception
+    end
+  end
+end

@@ -1,0 +1,122 @@
+defmodule Emily.Program do
+  @moduledoc """
+  Programs: a list of `Emily.Native` ops replayed in one native call on one stream,
+  optionally compiled with MLX's `mx::compile` (kernel fusion).
+
+  A program replaces a chain of NIF calls (one queue push and one tensor handle per op)
+  with one: it is what `Emily.Compiler` lowers an `Nx.Defn` expression to.
+
+  ## Format
+
+      program =
+        Emily.Program.new(
+          [
+            {:multiply, [0, 1]},          # slot 2 = x * w
+            {:add, [2, 0]},               # slot 3 = slot 2 + x
+            {:sum, [3, [0], false]}       # slot 4 = sum over axis 0
+          ],
+          inputs: 2,
+          outputs: [4],
+          compile: true
+        )
+
+      [total] = Emily.Program.run(program, [x, w])
+
+    * **Slots.** Slots `0..inputs-1` hold the inputs, in the order `run/3` gets them.
+      Each instruction appends its outputs to the slots: one for most ops, `N` for an
+      op whose table row says `-> N`, in order. An instruction may only name slots that
+      exist before it, so a program is a graph in topological order.
+    * **Instructions.** `{op, args}`: `op` is the name of a generated op of the op
+      table (`Emily.Native`'s ops; `ops/0` lists them), and `args` are exactly that
+      function's arguments after the stream, with a slot index in place of each tensor
+      argument: an integer for `tensor`, a list of integers for `tensors`, `nil` or an
+      integer for `tensor?`. Every other argument is written as for the NIF (`ints` a
+      list, `shape` a tuple or list, `float` a number or `:nan`/`:infinity`/
+      `:neg_infinity`, `dtype` an Nx type or `:bool`, ...). The arguments are decoded by
+      the same generated code as the NIF's, so they cannot drift apart.
+    * **Outputs.** `:outputs` lists the slots `run/3` returns, in order (any slot,
+      inputs included, may appear, and more than once). The default is the outputs of
+      the last instruction.
+
+  `new/2` checks the whole program: an unknown op, a wrong number of arguments, a badly
+  typed argument or a slot that does not exist yet raises `ArgumentError` there.
+  Shape and dtype errors come from MLX when the program runs and surface, like any op's,
+  as an `Emily.Error` at the next waiting call, naming the instruction
+  (`"program_run: instruction 2 (sum): ..."`).
+
+  ## Running and compiling
+
+  `run/3` returns the outputs at once as lazy tensors of the stream it runs on; the
+  stream's worker replays the instructions behind them. Inputs may come from any stream.
+  A program is immutable and can be run on many streams, concurrently.
+
+  With `compile: true`, the first run on each stream traces the program and compiles it
+  with `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the
+  system C++ compiler, and falls back to unfused code without one). The compiled
+  function is cached per stream and per input shapes and dtypes, and dropped, on the
+  stream's own thread, when the program is garbage (MLX's compile cache is thread-local).
+  """
+
+  @type t :: reference()
+  @type instruction :: {atom, list}
+
+  @doc """
+  Builds a program from `instructions`. Options: `:inputs` (required, the number of
+  input slots), `:outputs` (slots to return; default the last instruction's outputs),
+  `:compile` (default `false`).
+  """
+  @spec new([instruction], keyword) :: t
+  def new(instructions, opts) when is_list(instructions) do
+    inputs = Keyword.fetch!(opts, :inputs)
+    outputs = Keyword.get_lazy(opts, :outputs, fn -> last_outputs(instructions, inputs) end)
+    Emily.Native.program_new(inputs, instructions, outputs, Keyword.get(opts, :compile, false))
+  end
+
+  @doc """
+  Runs `program` on `inputs` and returns its outputs (lazy tensors). Options: `:stream`
+  (default `Emily.Stream.current/0`).
+  """
+  @spec run(t, [Emily.tensor()], keyword) :: [Emily.tensor()]
+  def run(program, inputs, opts \\ []) when is_list(inputs) do
+    Emily.Native.program_run(
+      Keyword.get_lazy(opts, :stream, &Emily.Stream.current/0),
+      program,
+      inputs
+    )
+  end
+
+  @doc "`%{inputs: n, instructions: n, outputs: n, compile: boolean}`."
+  @spec info(t) :: %{
+          inputs: non_neg_integer,
+          instructions: non_neg_integer,
+          outputs: non_neg_integer,
+          compile: boolean
+        }
+  def info(program), do: Emily.Native.program_info(program)
+
+  @doc """
+  The ops a program can use: `{name, id, outputs}` for each generated op of the op table,
+  as the native build numbered them.
+  """
+  @spec ops() :: [{atom, pos_integer, pos_integer}]
+  def ops, do: Emily.Native.op_table()
+
+  defp last_outputs([], _inputs), do: []
+
+  defp last_outputs(instructions, inputs) do
+    outputs = Map.new(ops(), fn {name, _id, n} -> {name, n} end)
+
+    {slots, last} =
+      Enum.reduce(instructions, {inputs, 0}, fn instr, {slots, _} ->
+        n =
+          case instr do
+            {op, _} when is_atom(op) -> Map.get(outputs, op, 1)
+            _ -> 1
+          end
+
+        {slots + n, n}
+      end)
+
+    Enum.to_list((slots - last)..(slots - 1)//1)
+  end
+end

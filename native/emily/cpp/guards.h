@@ -1,0 +1,29 @@
+// Guards for MLX ops that crash on some arguments instead of throwing: they would kill
+// the whole VM, so the arguments are checked first. (The integer-division traps are
+// guarded in binary.h.)
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "mlx/mlx.h"
+
+namespace emily {
+
+// MLX divides by each stride to size a slice: a zero stride is a division by zero.
+inline mlx::core::Shape nonzero_strides(mlx::core::Shape strides) {
+  for (auto st : strides) {
+    if (st == 0) throw std::invalid_argument("[slice] strides must be non-zero");
+  }
+  return strides;
+}
+
+// An int argument MLX divides by (a group size, a bit width): zero would trap.
+inline int positive(int64_t x, const char* name) {
+  if (x <= 0 || x > INT32_MAX) {
+    throw std::invalid_argument(std::string(name) + " must be a positive 32-bit integer, got " + std::to_string(x));
+  }
+  return static_cast<int>(x);
+}
+
+}  // namespace emily

@@ -1,0 +1,29 @@
+// Memory controls: MLX's allocator (mlx/memory.h). Glue only; called on worker threads.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/mlx.h"
+
+namespace emily {
+
+uint64_t memory_active();
+uint64_t memory_peak();
+uint64_t memory_cache();
+uint64_t memory_limit();
+void memory_reset_peak();
+void memory_clear_cache();
+// Each setter returns the previous limit.
+uint64_t memory_set_limit(uint64_t limit);
+uint64_t memory_set_cache_limit(uint64_t limit);
+uint64_t memory_set_wired_limit(uint64_t limit);
+bool metal_available();
+
+// Throws if an array in `arrays` would need more bytes than MLX's memory limit (or more
+// than a size_t holds). On the CPU, MLX treats the limit as a guideline and does not check
+// that an allocation succeeded, so an op result too large for the machine would crash the
+// process when evaluated; refusing it when the node is built turns that into an error.
+void check_result_sizes(const std::vector<mlx::core::array>& arrays);
+
+}  // namespace emily

@@ -1,0 +1,105 @@
+// Graphs: async eval and program replay. See program.h.
+#include "program.h"
+
+#include <csignal>
+#include <mutex>
+#include <stdexcept>
+
+#include "mlx/compile_impl.h"
+
+namespace emily {
+namespace mx = mlx::core;
+
+void async_eval_arrays(const ArrayVec& v) { mx::async_eval(v.items); }
+
+std::unique_ptr<ProgramSpec> program_spec_new(size_t n_inputs) {
+  auto p = std::make_unique<ProgramSpec>();
+  p->n_inputs = n_inputs;
+  return p;
+}
+
+void program_spec_push(ProgramSpec& p, uint32_t op, rust::Str name, rust::Slice<const uint32_t> slots,
+                       rust::Slice<const int64_t> ints, rust::Slice<const double> floats,
+                       rust::Slice<const rust::String> strs, uint32_t outputs) {
+  p.instrs.push_back(ProgramInstr{op, std::string(name), {slots.begin(), slots.end()}, {ints.begin(), ints.end()},
+                                  {floats.begin(), floats.end()}, {strs.begin(), strs.end()}, outputs});
+}
+
+void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots) {
+  p.outputs.assign(slots.begin(), slots.end());
+}
+
+// The slots were checked when the program was built (src/ops/program.rs).
+static std::vector<array> replay(const ProgramSpec& p, const std::vector<array>& inputs, const Stream& s) {
+  std::vector<array> slots(inputs.begin(), inputs.end());
+  slots.reserve(inputs.size() + p.instrs.size());
+  ArrayVec args;
+  for (size_t k = 0; k < p.instrs.size(); k++) {
+    const ProgramInstr& in = p.instrs[k];
+    args.items.clear();
+    for (auto i : in.slots) args.items.push_back(slots.at(i));
+    std::unique_ptr<ArrayVec> out;
+    try {
+      out = op_call(in.op, args, rust::Slice<const int64_t>(in.ints.data(), in.ints.size()),
+                    rust::Slice<const double>(in.floats.data(), in.floats.size()),
+                    rust::Slice<const rust::String>(in.strs.data(), in.strs.size()), s);
+    } catch (const std::exception& e) {
+      throw std::runtime_error("instruction " + std::to_string(k) + " (" + in.name + "): " + e.what());
+    }
+    if (out->items.size() != in.outputs) {
+      throw std::runtime_error("instruction " + std::to_string(k) + " (" + in.name + ") returned " +
+                               std::to_string(out->items.size()) + " arrays, expected " +
+                               std::to_string(in.outputs));
+    }
+    for (auto& a : out->items) slots.push_back(std::move(a));
+  }
+  std::vector<array> result;
+  result.reserve(p.outputs.size());
+  for (auto o : p.outputs) result.push_back(slots.at(o));
+  return result;
+}
+
+std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inputs, const Stream& s) {
+  auto out = std::make_unique<ArrayVec>();
+  out->items = replay(p, inputs.items, s);
+  return out;
+}
+
+Compiled::~Compiled() { mx::detail::compile_erase(mx::detail::compile_cache(), id); }
+
+// On the CPU, MLX builds fused kernels by running the system C++ compiler (system() and
+// popen()/pclose()). The BEAM sets SIGCHLD to SIG_IGN, which makes the kernel reap those
+// children itself: the waits inside system() and pclose() then fail, and MLX concludes
+// that there is no compiler (silently compiling nothing). SIGCHLD's default disposition
+// also ignores the signal, but lets each parent wait for its own children. The BEAM's
+// only child is erl_child_setup, which lives as long as the VM, so restoring the default
+// changes nothing else. Done once, before MLX first asks whether a compiler exists.
+static void allow_waiting_for_children() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction old {};
+    if (sigaction(SIGCHLD, nullptr, &old) == 0 && old.sa_handler == SIG_IGN) {
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      sigemptyset(&dfl.sa_mask);
+      sigaction(SIGCHLD, &dfl, nullptr);
+    }
+  });
+}
+
+std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s) {
+  if (s.device == mx::Device::cpu) allow_waiting_for_children();
+  auto spec = std::make_shared<const ProgramSpec>(p);
+  auto c = std::make_unique<Compiled>();
+  c->id = id;
+  c->fn = mx::detail::compile([spec, s](const std::vector<array>& in) { return replay(*spec, in, s); }, id);
+  return c;
+}
+
+std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs) {
+  auto out = std::make_unique<ArrayVec>();
+  out->items = c.fn(inputs.items);
+  return out;
+}
+
+}  // namespace emily

@@ -1,0 +1,51 @@
+// Graphs: async eval, and programs (a list of op-table ops replayed in one native call,
+// optionally through mx::compile). Glue only: the replay composes op_call.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "emily.h"
+
+namespace emily {
+
+void async_eval_arrays(const ArrayVec& v);
+
+struct ProgramInstr {
+  uint32_t op;
+  std::string name;
+  std::vector<uint32_t> slots;
+  std::vector<int64_t> ints;
+  std::vector<double> floats;
+  std::vector<rust::String> strs;
+  uint32_t outputs;
+};
+
+// Slots 0..n_inputs-1 hold the inputs; each instruction appends its outputs.
+struct ProgramSpec {
+  size_t n_inputs = 0;
+  std::vector<ProgramInstr> instrs;
+  std::vector<uint32_t> outputs;
+};
+
+// A program compiled on one worker thread. MLX's compile cache is thread-local: it is
+// called and destroyed (erasing its cache entry) on the thread that built it.
+struct Compiled {
+  uint64_t id;
+  std::function<std::vector<array>(const std::vector<array>&)> fn;
+  ~Compiled();
+};
+
+std::unique_ptr<ProgramSpec> program_spec_new(size_t n_inputs);
+void program_spec_push(ProgramSpec& p, uint32_t op, rust::Str name, rust::Slice<const uint32_t> slots,
+                       rust::Slice<const int64_t> ints, rust::Slice<const double> floats,
+                       rust::Slice<const rust::String> strs, uint32_t outputs);
+void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots);
+std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inputs, const Stream& s);
+std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s);
+std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
+
+}  // namespace emily

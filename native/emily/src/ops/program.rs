@@ -1,0 +1,320 @@
+//! Programs: a list of op-table ops replayed in one native call on one worker, optionally
+//! compiled with `mx::compile` (`optable/program.ops`; `Emily.Program` documents the
+//! format).
+//!
+//! An instruction is `{op_name, args}`: `args` are the op's `Emily.Native` arguments after
+//! the stream, with a slot index in place of each tensor (a list of slots for `tensors`,
+//! `nil` or a slot for `tensor?`). Slots `0..n_inputs` are the program's inputs; each
+//! instruction appends its outputs. Each op decodes its args with the decoder generated
+//! from its table row (build/codegen.rs), so programs and NIFs cannot disagree.
+//!
+//! A compiled program is compiled separately on each worker that runs it, kept in that
+//! worker's state under the program's id (never reused), and erased there when the
+//! program is garbage: MLX's compile cache is thread-local.
+use crate::bridge::ffi;
+use crate::error::{argument_error, Error};
+use crate::ops::{check_outputs, put_outputs, Args, Inputs};
+use crate::stream::{released_error, StreamArg};
+use crate::tensor::{mlx_error, TensorArg, TensorResource};
+use crate::term::{short, List};
+use crate::worker::{next_id, State, Worker};
+use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
+use std::sync::{Arc, Mutex, Weak};
+
+include!(concat!(env!("OUT_DIR"), "/program_table.rs"));
+
+/// One op of the table, as programs see it.
+pub struct OpEntry {
+    pub id: u32,
+    pub name: &'static str,
+    pub outputs: usize,
+    pub decode: for<'a> fn(&mut Instr, &[Term<'a>]) -> NifResult<()>,
+}
+
+fn lookup(name: &str) -> Option<&'static OpEntry> {
+    FAMILIES.iter().flat_map(|f| f.iter()).find(|e| e.name == name)
+}
+
+/// An instruction being decoded: its input slots and scalar args.
+pub struct Instr {
+    name: &'static str,
+    index: usize,
+    /// Slots filled so far (inputs plus earlier outputs): every slot must be below it.
+    available: usize,
+    slots: Vec<u32>,
+    args: Args,
+}
+
+impl Instr {
+    fn err(&self, what: String) -> rustler::Error {
+        argument_error(format!("program: instruction {} ({}): {what}", self.index, self.name))
+    }
+
+    pub fn arity(&self, args: &[Term], n: usize) -> NifResult<()> {
+        if args.len() != n {
+            return Err(self.err(format!("expected {n} arguments, got {}", args.len())));
+        }
+        Ok(())
+    }
+
+    /// Decodes argument `name` as its table type; a bad term is an `ArgumentError` naming
+    /// the instruction and the argument.
+    pub fn decode<'a, T: Decoder<'a>>(&self, term: Term<'a>, name: &str) -> NifResult<T> {
+        term.decode::<T>().map_err(|_| self.err(format!("bad argument `{name}`: {}", short(term))))
+    }
+
+    fn slot(&self, term: Term) -> NifResult<u32> {
+        match term.decode::<u32>() {
+            Ok(i) if (i as usize) < self.available => Ok(i),
+            _ => Err(self.err(format!(
+                "a tensor argument must be a slot index below {}, got {}",
+                self.available,
+                short(term)
+            ))),
+        }
+    }
+
+    pub fn tensor(&mut self, term: Term) -> NifResult<()> {
+        let i = self.slot(term)?;
+        self.slots.push(i);
+        Ok(())
+    }
+
+    pub fn opt_tensor(&mut self, term: Term) -> NifResult<()> {
+        if term.is_atom() && term.decode::<rustler::Atom>().is_ok_and(|a| a == rustler::types::atom::nil()) {
+            self.args.int(0);
+            return Ok(());
+        }
+        self.args.int(1);
+        self.tensor(term)
+    }
+
+    pub fn tensors(&mut self, term: Term) -> NifResult<()> {
+        let list: Vec<Term> =
+            term.decode().map_err(|_| self.err(format!("expected a list of slots, got {term:?}")))?;
+        self.args.int(list.len() as i64);
+        list.into_iter().try_for_each(|t| self.tensor(t))
+    }
+
+    pub fn int(&mut self, i: i64) {
+        self.args.int(i);
+    }
+    pub fn ints(&mut self, v: &[i64]) {
+        self.args.ints(v);
+    }
+    pub fn float(&mut self, f: f64) {
+        self.args.float(f);
+    }
+    pub fn dtype(&mut self, d: crate::dtype::DType) {
+        self.args.dtype(d);
+    }
+    pub fn str(&mut self, s: String) {
+        self.args.str(s);
+    }
+}
+
+/// The C++ program, immutable once built.
+struct Spec(cxx::UniquePtr<ffi::ProgramSpec>);
+// SAFETY: built once on a scheduler, then only read (program_call takes it by const&).
+unsafe impl Send for Spec {}
+unsafe impl Sync for Spec {}
+
+pub struct ProgramResource {
+    id: u64,
+    n_inputs: usize,
+    n_instrs: usize,
+    outputs: usize,
+    compile: bool,
+    spec: Spec,
+    /// Workers holding a compiled copy, to erase it there when the program is dropped.
+    compiled_on: Mutex<Vec<Weak<Worker>>>,
+}
+
+#[rustler::resource_impl]
+impl Resource for ProgramResource {}
+
+impl Drop for ProgramResource {
+    fn drop(&mut self) {
+        let id = self.id;
+        for w in self.compiled_on.get_mut().unwrap().drain(..) {
+            if let Some(w) = w.upgrade() {
+                w.submit(Box::new(move |st: &mut State| {
+                    st.compiled.remove(&id);
+                }));
+            }
+        }
+    }
+}
+
+/// Program ids live in their own range, far from the function addresses MLX uses as
+/// compile-cache keys for its own compiled functions.
+const PROGRAM_ID_BASE: u64 = 1 << 62;
+
+/// `program_new(n_inputs, instrs, outputs, compile)`: checks and decodes a program.
+/// Malformed programs (unknown ops, bad arity or argument terms, slots that are not yet
+/// filled) raise `ArgumentError` here; shape and dtype errors come from MLX when it runs.
+#[rustler::nif]
+fn program_new<'a>(
+    n_inputs: i64,
+    instrs: List<Term<'a>>,
+    outputs: List<i64>,
+    compile: bool,
+) -> NifResult<ResourceArc<ProgramResource>> {
+    let (instrs, outputs) = (instrs.0, outputs.0);
+    let n_inputs = usize::try_from(n_inputs)
+        .ok()
+        .filter(|&n| n <= u32::MAX as usize)
+        .ok_or_else(|| argument_error(format!("program: bad input count {n_inputs}")))?;
+    let mut spec = ffi::program_spec_new(n_inputs);
+    let mut available = n_inputs;
+    for (index, term) in instrs.iter().enumerate() {
+        let bad = || {
+            argument_error(format!("program: instruction {index} must be {{op_name, [args]}}, got {term:?}"))
+        };
+        let tuple = rustler::types::tuple::get_tuple(*term).map_err(|_| bad())?;
+        let [op, args] = tuple[..] else { return Err(bad()) };
+        let name = op.atom_to_string().map_err(|_| bad())?;
+        let entry = lookup(&name).ok_or_else(|| {
+            argument_error(format!("program: instruction {index}: `{name}` is not an op of the op table"))
+        })?;
+        let args: List<Term> = args.decode().map_err(|_| bad())?;
+        let args = args.0;
+        if entry.outputs == 0 {
+            // `-> arg` rows (split, meshgrid): the count depends on the call's arguments.
+            return Err(argument_error(format!(
+                "program: instruction {index} ({}) has a variable output count; programs take fixed-output ops",
+                entry.name
+            )));
+        }
+        let mut instr =
+            Instr { name: entry.name, index, available, slots: Vec::new(), args: Args::default() };
+        (entry.decode)(&mut instr, &args)?;
+        if let Some(bad) = &instr.args.bad {
+            return Err(instr.err(bad.clone()));
+        }
+        let slots = instr.slots;
+        let a = instr.args;
+        ffi::program_spec_push(
+            spec.pin_mut(),
+            entry.id,
+            entry.name,
+            &slots,
+            &a.ints,
+            &a.floats,
+            &a.strs,
+            entry.outputs as u32,
+        );
+        available += entry.outputs;
+    }
+    if available > u32::MAX as usize {
+        return Err(argument_error("program: too many slots"));
+    }
+    let outs: Vec<u32> = outputs
+        .iter()
+        .map(|&o| {
+            u32::try_from(o).ok().filter(|&o| (o as usize) < available).ok_or_else(|| {
+                argument_error(format!("program: output slot {o} is not below the {available} slots"))
+            })
+        })
+        .collect::<NifResult<_>>()?;
+    ffi::program_spec_outputs(spec.pin_mut(), &outs);
+    Ok(ResourceArc::new(ProgramResource {
+        id: PROGRAM_ID_BASE + next_id(),
+        n_inputs,
+        n_instrs: instrs.len(),
+        outputs: outs.len(),
+        compile,
+        spec: Spec(spec),
+        compiled_on: Mutex::new(Vec::new()),
+    }))
+}
+
+/// `program_run(stream, program, inputs)`: queues the program on `stream`'s worker and
+/// returns its outputs at once, as lazy tensors (errors surface at the next waiting call,
+/// like any op's). Inputs may live on any stream (lazy ones are evaluated there first).
+#[rustler::nif]
+fn program_run(
+    stream: StreamArg,
+    program: ResourceArc<ProgramResource>,
+    inputs: List<TensorArg>,
+) -> NifResult<Vec<TensorArg>> {
+    const OP: &str = "program_run";
+    let inputs = inputs.0;
+    if inputs.len() != program.n_inputs {
+        return Err(argument_error(format!(
+            "program_run: the program takes {} inputs, got {}",
+            program.n_inputs,
+            inputs.len()
+        )));
+    }
+    let worker = stream.get().ok_or_else(|| released_error(OP, &stream.name))?;
+    let mut ins = Inputs::default();
+    for t in &inputs {
+        ins.push(t, Some(&worker));
+    }
+    if program.compile {
+        let mut on = program.compiled_on.lock().unwrap();
+        on.retain(|w| w.strong_count() > 0);
+        if !on.iter().any(|w| w.as_ptr() == Arc::as_ptr(&worker)) {
+            on.push(Arc::downgrade(&worker));
+        }
+    }
+    let outs: Vec<TensorArg> = (0..program.outputs).map(|_| TensorResource::new(&worker)).collect();
+    let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
+    ins.request(OP);
+    worker.submit_lazy(Box::new(move |st: &mut State| {
+        let res = run(st, &program, &mut ins);
+        put_outputs(st, &ids, res);
+    }));
+    Ok(outs)
+}
+
+fn run(
+    st: &mut State,
+    p: &ProgramResource,
+    ins: &mut Inputs,
+) -> Result<cxx::UniquePtr<ffi::ArrayVec>, Error> {
+    const OP: &str = "program_run";
+    if p.compile && !st.compiled.contains_key(&p.id) {
+        let c = ffi::program_compile(&p.spec.0, p.id, &st.stream).map_err(|e| mlx_error(OP, e, &[]))?;
+        st.compiled.insert(p.id, c);
+    }
+    let st = &*st;
+    let refs = ins.resolve(st, OP)?;
+    let mut v = ffi::array_vec_new();
+    for a in &refs {
+        ffi::array_vec_push(v.pin_mut(), a);
+    }
+    let out = match st.compiled.get(&p.id) {
+        Some(c) => ffi::compiled_call(c, &v),
+        None => ffi::program_call(&p.spec.0, &v, &st.stream),
+    }
+    .map_err(|e| mlx_error(OP, e, &refs))?;
+    check_outputs(OP, &out, p.outputs)?;
+    Ok(out)
+}
+
+/// `program_info(program)`: `%{inputs:, instructions:, outputs:, compile:}`.
+#[rustler::nif]
+fn program_info<'a>(env: Env<'a>, program: ResourceArc<ProgramResource>) -> NifResult<Term<'a>> {
+    let keys = ["inputs", "instructions", "outputs", "compile"];
+    let values = [
+        program.n_inputs.encode(env),
+        program.n_instrs.encode(env),
+        program.outputs.encode(env),
+        program.compile.encode(env),
+    ];
+    let keys: Vec<Term> = keys.iter().map(|k| rustler::Atom::from_str(env, k).unwrap().encode(env)).collect();
+    Term::map_from_arrays(env, &keys, &values)
+}
+
+/// `op_table()`: `[{name, id, outputs}]` for every op a program can use, from the table
+/// the build generated: the op ids the NIFs and the C++ dispatch use.
+#[rustler::nif]
+fn op_table<'a>(env: Env<'a>) -> Vec<Term<'a>> {
+    FAMILIES
+        .iter()
+        .flat_map(|f| f.iter())
+        .map(|e| (rustler::Atom::from_str(env, e.name).unwrap(), e.id, e.outputs).encode(env))
+        .collect()
+}

@@ -1,0 +1,157 @@
+defmodule Emily.MemoryTest do
+  # Memory figures and limits are global to the process.
+  use Emily.TestCase, async: false
+
+  @mib 1024 * 1024
+
+  test "stats/0 reports active, peak, cache and the limits" do
+    stats = Emily.Memory.stats()
+    assert Map.keys(stats) |> Enum.sort() == [:active, :cache, :cache_limit, :memory_limit, :peak]
+    assert Enum.all?(Map.values(stats), &(is_integer(&1) and &1 >= 0))
+    assert stats.peak >= stats.active
+    assert stats.memory_limit > 0
+  end
+
+  test "active memory holds an evaluated tensor and drops when it is garbage" do
+    Emily.Memory.clear_cache()
+    before = Emily.Memory.stats().active
+    x = N.full(s(), {4 * @mib}, 1.0, {:f, 32})
+    Emily.eval(x)
+    # 16 MiB (the from-list inputs of other tests are small).
+    assert Emily.Memory.stats().active - before >= 16 * @mib
+    _ = x
+    x = nil
+    _ = x
+    :erlang.garbage_collect()
+    # Dropping is queued on the worker: a round trip to it drains the queue.
+    assert l(N.add(s(), t([1.0]), t([1.0]))) == [2.0]
+    assert Emily.Memory.stats().active - before < 16 * @mib
+  end
+
+  test "reset_peak/0 resets the peak; it tracks new highs" do
+    x = N.full(s(), {2 * @mib}, 1.0, {:f, 32})
+    Emily.eval(x)
+    assert Emily.Memory.reset_peak() == :ok
+    peak = Emily.Memory.stats().peak
+    y = N.full(s(), {4 * @mib}, 2.0, {:f, 32})
+    Emily.eval(y)
+    assert Emily.Memory.stats().peak >= peak + 16 * @mib
+    _ = {x, y}
+  end
+
+  test "set_cache_limit/1 returns the previous limit and bounds the cache; clear_cache/0 empties it" do
+    previous = Emily.Memory.set_cache_limit(64 * @mib)
+    assert Emily.Memory.stats().cache_limit == 64 * @mib
+
+    # Freed buffers go to the cache, up to the limit.
+    for _ <- 1..3 do
+      Emily.eval(N.full(s(), {1 * @mib}, 1.0, {:f, 32}))
+    end
+
+    :erlang.garbage_collect()
+    assert l(N.add(s(), t([1.0]), t([1.0]))) == [2.0]
+    cache = Emily.Memory.stats().cache
+    assert cache >= 4 * @mib and cache <= 64 * @mib
+
+    # Other tests' small tensors may be freed meanwhile: no more than a few bytes come back.
+    assert Emily.Memory.clear_cache() == :ok
+    assert Emily.Memory.stats().cache < 1 * @mib
+
+    assert Emily.Memory.set_cache_limit(0) == 64 * @mib
+    Emily.eval(N.full(s(), {1 * @mib}, 1.0, {:f, 32}))
+    :erlang.garbage_collect()
+    assert l(N.add(s(), t([1.0]), t([1.0]))) == [2.0]
+    assert Emily.Memory.stats().cache == 0
+
+    assert Emily.Memory.set_cache_limit(previous) == 0
+  end
+
+  test "set_memory_limit/1 returns the previous limit" do
+    limit = Emily.Memory.stats().memory_limit
+    assert Emily.Memory.set_memory_limit(limit + 1) == limit
+    assert Emily.Memory.stats().memory_limit == limit + 1
+    assert Emily.Memory.set_memory_limit(limit) == limit + 1
+  end
+
+  test "a result above the memory limit raises Emily.Error; the VM and the stream live on" do
+    limit = Emily.Memory.set_memory_limit(64 * @mib)
+
+    try do
+      st = Emily.Stream.new(:cpu)
+      # 128 MiB of f32, above the 64 MiB limit.
+      big = N.full(st, {32 * @mib}, 1.0, {:f, 32})
+      e = assert_raise Emily.Error, fn -> Emily.eval(big) end
+      assert e.message =~ "full"
+      assert e.message =~ "needs 134217728 bytes, above the memory limit of 67108864 bytes"
+      # Ops on the refused result fail too, naming the cause.
+      assert_raise Emily.Error, ~r/above the memory limit/, fn ->
+        l(N.sum(st, big, [0], false))
+      end
+
+      # Below the limit all is well, on that stream and on others.
+      assert l(N.sum(st, N.full(st, {1024}, 1.0, {:f, 32}), [0], false)) == [1024.0]
+      assert l(N.add(s(), t([1.0]), t([2.0]))) == [3.0]
+    after
+      Emily.Memory.set_memory_limit(limit)
+    end
+  end
+
+  test "results too large for the machine (or for size_t) raise instead of crashing" do
+    # 64 GiB and 2^93 bytes: MLX on the CPU would not check the failed allocation.
+    for shape <- [{1024, 1024, 1024, 16}, {2_147_483_647, 2_147_483_647, 2_147_483_647}] do
+      assert_raise Emily.Error, ~r/above the memory limit/, fn ->
+        Emily.eval(N.full(s(), shape, 0.0, {:f, 32}))
+      end
+    end
+
+    assert l(N.add(s(), t([1.0]), t([2.0]))) == [3.0]
+  end
+
+  test "set_wired_limit/1 is a Metal setting: a clear error elsewhere" do
+    unless :gpu in Emily.devices() do
+      e = assert_raise Emily.Error, fn -> Emily.Memory.set_wired_limit(0) end
+      assert e.message =~ "Metal"
+      assert e.op == "set_wired_limit"
+    end
+  end
+
+  test "bad limits: Elixir guards and native checks raise; the worker lives on" do
+    assert_raise FunctionClauseError, fn -> Emily.Memory.set_cache_limit(-1) end
+    assert_raise FunctionClauseError, fn -> Emily.Memory.set_memory_limit(0) end
+    assert_raise FunctionClauseError, fn -> Emily.Memory.set_cache_limit(1.5) end
+
+    assert_raise ArgumentError, ~r/non-negative/, fn ->
+      N.set_cache_limit(make_ref(), cpu(), -5)
+    end
+
+    assert_raise ArgumentError, fn -> N.memory_stats(make_ref(), :not_a_stream) end
+    assert_raise ArgumentError, fn -> N.set_memory_limit(make_ref(), cpu(), 2 ** 70) end
+    assert is_map(Emily.Memory.stats())
+  end
+
+  test "apply_config/1 applies the configured limits and validates them" do
+    previous = Emily.Memory.stats().cache_limit
+
+    try do
+      assert Emily.Memory.apply_config(cache_limit: 5 * @mib) == :ok
+      assert Emily.Memory.stats().cache_limit == 5 * @mib
+
+      assert_raise ArgumentError, ~r/cache_limit/, fn ->
+        Emily.Memory.apply_config(cache_limit: "5MB")
+      end
+    after
+      Emily.Memory.set_cache_limit(previous)
+    end
+  end
+
+  test "apply_config/1 warns (does not fail) for a wired limit off Metal" do
+    unless :gpu in Emily.devices() do
+      log =
+        ExUnit.CaptureLog.capture_log(fn ->
+          assert Emily.Memory.apply_config(wired_limit: 0) == :ok
+        end)
+
+      assert log =~ "wired_limit ignored"
+    end
+  end
+end

@@ -1,0 +1,241 @@
+defmodule Emily.ProgramTest do
+  use Emily.TestCase, async: false
+
+  alias Emily.Program
+
+  # y = sum((x * w + x) ^ 2, axis 1), then exp(-y / 100): elementwise chains (fusable)
+  # around a reduction.
+  @instrs [
+    {:multiply, [0, 1]},
+    {:add, [2, 0]},
+    {:square, [3]},
+    {:sum, [4, [1], false]},
+    {:multiply, [5, 6]},
+    {:exp, [7]}
+  ]
+
+  defp inputs do
+    x = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
+    w = t([0.5, -1.0, 2.0, 1.0, 0.0, -0.5], {:f, 32}, {2, 3})
+    k = t([-0.01], {:f, 32}, {})
+    {x, w, k}
+  end
+
+  # By hand: x*w + x = [1.5, 0, 9 | 8, 5, 3]; squares [2.25, 0, 81 | 64, 25, 9];
+  # sums [83.25, 98]; exp(-0.8325) = 0.434947, exp(-0.98) = 0.375311.
+  @expected [0.434947, 0.375311]
+
+  defp by_ops({x, w, k}) do
+    st = s()
+    y = N.sum(st, N.square(st, N.add(st, N.multiply(st, x, w), x)), [1], false)
+    N.exp(st, N.multiply(st, y, k))
+  end
+
+  defp program(opts) do
+    # Slots: 0 = x, 1 = w, 2..5 = the first four instructions, 6 = k (an input after
+    # them is not possible: inputs come first), so k is slot 2 and the rest shift.
+    Program.new(shift(@instrs), [inputs: 3] ++ opts)
+  end
+
+  defp shift(instrs) do
+    # Re-number for 3 inputs (x, w, k): instruction results start at slot 3.
+    [
+      {:multiply, [0, 1]},
+      {:add, [3, 0]},
+      {:square, [4]},
+      {:sum, [5, [1], false]},
+      {:multiply, [6, 2]},
+      {:exp, [7]}
+    ]
+    |> tap(fn v -> length(v) == length(instrs) || raise "shape of the test program" end)
+  end
+
+  defp run(program, {x, w, k}, opts \\ []), do: Program.run(program, [x, w, k], opts)
+
+  test "a program gives the op-by-op results (and the hand-computed values)" do
+    ins = inputs()
+    [out] = run(program([]), ins)
+    assert_close(l(out), @expected, 1.0e-5)
+    assert l(out) == l(by_ops(ins))
+    assert Emily.shape(out) == {2}
+  end
+
+  test "a compiled program equals the uncompiled one, run after run" do
+    ins = inputs()
+    compiled = program(compile: true)
+    plain = program([])
+    for _ <- 1..3, do: assert_close(l(hd(run(compiled, ins))), l(hd(run(plain, ins))), 1.0e-6)
+    assert Program.info(compiled) == %{inputs: 3, instructions: 6, outputs: 1, compile: true}
+  end
+
+  test "a compiled program retraces for new shapes" do
+    compiled = program(compile: true)
+    {_x, _w, k} = inputs()
+    x = t([1.0, 2.0], {:f, 32}, {1, 2})
+    w = t([1.0, 1.0], {:f, 32}, {1, 2})
+    # (1*1+1)^2 + (2*1+2)^2 = 4 + 16 = 20; exp(-0.2) = 0.818731.
+    assert_close(l(hd(Program.run(compiled, [x, w, k]))), [0.818731])
+    assert_close(l(hd(run(compiled, inputs()))), @expected)
+  end
+
+  test "compiled programs fuse on the CPU: MLX's compiler runs inside the VM" do
+    # A long elementwise chain is what MLX fuses into a generated kernel: built with the
+    # system C++ compiler (forked from the VM) the first time, cached on disk, and loaded
+    # into the VM. Without a working compiler MLX silently runs the ops unfused.
+    chain = for i <- 0..9, do: if(rem(i, 2) == 0, do: {:sin, [i]}, else: {:cos, [i]})
+    p = Program.new(chain, inputs: 1, compile: true)
+    plain = Program.new(chain, inputs: 1)
+    x = t(Enum.map(1..64, &(&1 / 64)))
+    assert_close(l(hd(Program.run(p, [x]))), l(hd(Program.run(plain, [x]))), 1.0e-5)
+
+    loaded = Regex.scan(~r{/mlx/[^/\s]+/cpu/lib\S*Sin\S*\.so}, File.read!("/proc/self/maps"))
+    assert loaded != [], "MLX loaded no fused kernel (is a C++ compiler on the PATH?)"
+  end
+
+  test "outputs: any slots, inputs included, in order; default is the last instruction's" do
+    {x, w, k} = inputs()
+    p = Program.new([{:add, [0, 1]}, {:negative, [2]}], inputs: 2, outputs: [3, 0, 2, 3])
+    [a, b, c, d] = Program.run(p, [x, w])
+    assert l(a) == [-1.5, -1.0, -5.0, -5.0, -5.0, -5.5]
+    assert l(b) == l(x)
+    assert l(c) == [1.5, 1.0, 5.0, 5.0, 5.0, 5.5]
+    assert l(d) == l(a)
+    assert Program.info(Program.new([{:add, [0, 1]}, {:negative, [2]}], inputs: 2)).outputs == 1
+    _ = k
+  end
+
+  test "all argument kinds: shapes, dtypes, floats, tensor lists, no tensors at all" do
+    p =
+      Program.new(
+        [
+          {:full, [{2, 2}, :infinity, {:f, 32}]},
+          {:arange, [0, 4, 1, {:f, 32}]},
+          {:reshape, [1, [2, 2]]},
+          {:minimum, [0, 2]},
+          {:concatenate, [[3, 3], 0]},
+          {:astype, [4, {:s, 32}]}
+        ],
+        inputs: 0
+      )
+
+    [out] = Program.run(p, [])
+    assert Emily.dtype(out) == {:s, 32}
+    assert Emily.shape(out) == {4, 2}
+    assert l(out) == [0, 1, 2, 3, 0, 1, 2, 3]
+  end
+
+  test "inputs from other streams, lazy or not; runs on any stream, concurrently" do
+    a = Emily.Stream.new(:cpu)
+    p = Program.new([{:add, [0, 1]}], inputs: 2, compile: true)
+
+    x =
+      N.multiply(
+        a,
+        Emily.from_list([2.0], {:f, 32}, stream: a),
+        Emily.from_list([3.0], {:f, 32}, stream: a)
+      )
+
+    y = Emily.from_list([1.0], {:f, 32})
+
+    results =
+      for _ <- 1..8 do
+        Task.async(fn ->
+          st = Emily.Stream.new(:cpu)
+          [out] = Program.run(p, [x, y], stream: st)
+          true = N.tensor_on_stream(out, st)
+          l(out)
+        end)
+      end
+      |> Task.await_many(20_000)
+
+    assert Enum.uniq(results) == [[7.0]]
+  end
+
+  test "MLX errors name the instruction and surface at the waiting call" do
+    p = Program.new([{:exp, [0]}, {:reshape, [1, {5}]}, {:negative, [2]}], inputs: 1)
+    [out] = Program.run(p, [t([1.0, 2.0])])
+    e = assert_raise Emily.Error, fn -> l(out) end
+    assert e.message =~ "program_run"
+    assert e.message =~ "instruction 1 (reshape)"
+    # Compiled too, and the stream lives on.
+    pc =
+      Program.new([{:exp, [0]}, {:reshape, [1, {5}]}, {:negative, [2]}], inputs: 1, compile: true)
+
+    assert_raise Emily.Error, ~r/instruction 1 \(reshape\)/, fn ->
+      l(hd(Program.run(pc, [t([1.0, 2.0])])))
+    end
+
+    assert l(N.add(s(), t([1.0]), t([1.0]))) == [2.0]
+  end
+
+  test "malformed programs raise ArgumentError when built" do
+    bad = [
+      {[{:nope, [0]}], ~r/not an op of the op table/},
+      {[{:add, [0]}], ~r/expected 2 arguments, got 1/},
+      {[{:add, [0, 5]}], ~r/slot index below 1/},
+      {[{:add, [0, -1]}], ~r/slot index/},
+      {[{:add, [0, :x]}], ~r/slot index/},
+      {[{:sum, [0, :axes, false]}], ~r/bad argument `axes`/},
+      {[{:full, [{-1}, 1.0, {:f, 32}]}],
+       ~r/instruction 0 \(full\): bad argument `shape`: \{-1\}/},
+      {[{:astype, [0, {:f, 8}]}], ~r/bad argument `dtype`/},
+      {[{:sum, [0, [0 | 1], false]}], ~r/bad argument `axes`/},
+      {[{:concatenate, [0, 0]}], ~r/list of slots/},
+      {[{:add, [0, 0], :extra}], ~r/instruction 0 must be/},
+      {[:add], ~r/instruction 0 must be/},
+      {[{"add", [0, 0]}], ~r/instruction 0 must be/},
+      {[{:add, :args}], ~r/instruction 0 must be/},
+      # Custom NIFs are not program ops.
+      {[{:eval, [0]}], ~r/not an op of the op table/}
+    ]
+
+    for {instrs, message} <- bad do
+      assert_raise ArgumentError, message, fn -> Program.new(instrs, inputs: 1) end
+    end
+
+    assert_raise ArgumentError, ~r/output slot 9/, fn ->
+      Program.new([{:exp, [0]}], inputs: 1, outputs: [9])
+    end
+
+    assert_raise ArgumentError, ~r/bad input count/, fn -> N.program_new(-1, [], [], false) end
+
+    assert_raise ArgumentError, ~r/takes 1 inputs, got 2/, fn ->
+      Program.run(Program.new([{:exp, [0]}], inputs: 1), [t([1.0]), t([1.0])])
+    end
+  end
+
+  test "a released stream refuses programs" do
+    st = Emily.Stream.new(:cpu)
+    Emily.Stream.release(st)
+    p = Program.new([{:exp, [0]}], inputs: 1)
+    assert_raise ArgumentError, ~r/released/, fn -> Program.run(p, [t([1.0])], stream: st) end
+  end
+
+  test "dropping a compiled program on a live stream is safe; ids are not reused" do
+    st = Emily.Stream.new(:cpu)
+
+    for i <- 1..20 do
+      p = Program.new([{:add, [0, 0]}, {:exp, [1]}], inputs: 1, compile: true)
+      assert_close(l(hd(Program.run(p, [t([i * 0.0])], stream: st))), [1.0])
+    end
+
+    :erlang.garbage_collect()
+    p = Program.new([{:negative, [0]}], inputs: 1, compile: true)
+    assert l(hd(Program.run(p, [t([3.0])], stream: st))) == [-3.0]
+  end
+
+  test "ops/0 lists the generated ops of the op table, with their ids" do
+    ops = Program.ops()
+    names = for {name, _, _} <- ops, do: name
+    generated = for row <- Emily.Native.Table.rows(), row.kind == :generated, do: row.name
+    assert Enum.sort(names) == Enum.sort(generated)
+    ids = for {_, id, _} <- ops, do: id
+    assert length(Enum.uniq(ids)) == length(ids)
+
+    for row <- Emily.Native.Table.rows(), row.kind == :generated do
+      {_, _, outputs} = List.keyfind(ops, row.name, 0)
+      # A count given by an argument (`-> sizes`) is 0 here: such ops stay out of programs.
+      assert outputs == if(is_integer(row.outputs), do: row.outputs, else: 0)
+    end
+  end
+end

@@ -1,0 +1,209 @@
+defmodule Emily.ObservabilityTest do
+  use Emily.TestCase, async: false
+  import ExUnit.CaptureLog
+
+  require Emily.Telemetry
+  require Emily.Debug
+
+  describe "Emily.Telemetry" do
+    test "enabled?/0 says whether :telemetry was there at compile time" do
+      assert Emily.Telemetry.enabled?() == Code.ensure_loaded?(:telemetry)
+    end
+
+    test "the metadata and measurements of each event" do
+      x = t([1.0, 2.0])
+      assert Emily.Telemetry.eval_metadata([x, x, x]) == %{count: 3}
+      assert Emily.Telemetry.to_binary_metadata(x) == %{tensor: x}
+      assert Emily.Telemetry.to_binary_stop(<<0::64>>) == {%{bytes: 8}, %{}}
+
+      assert Emily.Telemetry.fallback_metadata(:window_sum, [{{2, 3}, {:f, 32}}]) ==
+               %{op: :window_sum, inputs: [{{2, 3}, {:f, 32}}]}
+
+      stats = Emily.Memory.stats()
+      measurements = Emily.Telemetry.memory_measurements(Map.put(stats, :other, 1))
+
+      assert Map.keys(measurements) |> Enum.sort() == [
+               :active,
+               :cache,
+               :cache_limit,
+               :memory_limit,
+               :peak
+             ]
+
+      assert measurements.memory_limit == stats.memory_limit
+    end
+
+    if Code.ensure_loaded?(:telemetry) do
+      test "eval, to_binary and memory stats emit their events" do
+        parent = self()
+        id = "emily-test-#{System.unique_integer()}"
+
+        events = [
+          [:emily, :eval, :start],
+          [:emily, :eval, :stop],
+          [:emily, :eval, :exception],
+          [:emily, :to_binary, :stop],
+          [:emily, :memory, :stats]
+        ]
+
+        :telemetry.attach_many(id, events, fn e, m, md, _ -> send(parent, {e, m, md}) end, nil)
+
+        try do
+          x = t([1.0, 2.0])
+          Emily.eval([x, x])
+          assert_receive {[:emily, :eval, :start], %{system_time: _}, %{count: 2}}
+          assert_receive {[:emily, :eval, :stop], %{duration: _}, %{count: 2}}
+          Emily.to_binary(x)
+          assert_receive {[:emily, :to_binary, :stop], %{duration: _, bytes: 8}, %{tensor: ^x}}
+          Emily.Memory.stats()
+          assert_receive {[:emily, :memory, :stats], %{active: _, memory_limit: _}, %{}}
+          bad = N.reshape(s(), x, {3})
+          assert_raise Emily.Error, fn -> Emily.eval(bad) end
+          assert_receive {[:emily, :eval, :exception], %{duration: _}, %{kind: :error}}
+        after
+          :telemetry.detach(id)
+        end
+      end
+    else
+      test "without :telemetry, spans run their body and evaluate no metadata" do
+        result =
+          Emily.Telemetry.span :eval, raise("metadata must not be built") do
+            :body
+          end
+
+        assert result == :body
+
+        assert Emily.Telemetry.execute([:memory, :stats], raise("no"), raise("no")) == :ok
+        # And the instrumented calls work as before.
+        x = t([1.0])
+        assert Emily.eval(x) == :ok
+        assert Emily.to_binary(x) == <<1.0::float-32-native>>
+      end
+    end
+  end
+
+  describe "Emily.Fallback" do
+    setup do
+      previous = Application.get_env(:emily, :warn_on_fallback)
+      Emily.Fallback.reset()
+
+      on_exit(fn ->
+        if previous == nil,
+          do: Application.delete_env(:emily, :warn_on_fallback),
+          else: Application.put_env(:emily, :warn_on_fallback, previous)
+      end)
+    end
+
+    test "warn_on_fallback logs once per op and input shapes" do
+      Application.put_env(:emily, :warn_on_fallback, true)
+      inputs = [{{2, 3}, {:f, 32}}, {{3}, {:s, 64}}]
+
+      log =
+        capture_log(fn ->
+          for _ <- 1..3, do: Emily.Fallback.warn_once(:window_max, inputs)
+        end)
+
+      assert length(Regex.scan(~r/window_max has no MLX path/, log)) == 1
+      assert log =~ "f32[2, 3], s64[3]"
+
+      # Another shape, or another op, warns again (once).
+      log =
+        capture_log(fn ->
+          for _ <- 1..2 do
+            Emily.Fallback.warn_once(:window_max, [{{4}, {:f, 32}}])
+            Emily.Fallback.warn_once(:window_min, inputs)
+          end
+        end)
+
+      assert length(Regex.scan(~r/window_max has no MLX path/, log)) == 1
+      assert length(Regex.scan(~r/window_min has no MLX path/, log)) == 1
+    end
+
+    test "nothing is logged unless configured" do
+      Application.put_env(:emily, :warn_on_fallback, false)
+      assert capture_log(fn -> Emily.Fallback.warn_once(:window_max, []) end) == ""
+      Application.delete_env(:emily, :warn_on_fallback)
+      assert capture_log(fn -> Emily.Fallback.warn_once(:window_max, []) end) == ""
+    end
+
+    test "span/3 returns the fallback's result, warns once, and passes exceptions on" do
+      Application.put_env(:emily, :warn_on_fallback, true)
+
+      log =
+        capture_log(fn ->
+          assert Emily.Fallback.span(:fft2, [{{4, 4}, {:c, 64}}], fn -> :computed end) ==
+                   :computed
+
+          assert Emily.Fallback.span(:fft2, [{{4, 4}, {:c, 64}}], fn -> :again end) == :again
+        end)
+
+      assert length(Regex.scan(~r/fft2 has no MLX path/, log)) == 1
+
+      capture_log(fn ->
+        assert_raise RuntimeError, "inner", fn ->
+          Emily.Fallback.span(:x, [], fn -> raise "inner" end)
+        end
+      end)
+    end
+  end
+
+  describe "Emily.Debug" do
+    test "the flags default to off, and the check macros then evaluate nothing" do
+      refute Emily.Debug.bounds_check?()
+      refute Emily.Debug.detect_nan_inf?()
+      assert Emily.Debug.check_bounds(raise("no"), raise("no"), raise("no"), :take) == :ok
+      assert Emily.Debug.check_finite(raise("no"), raise("no"), :matmul) == :ok
+    end
+
+    test "assert_in_bounds!/4 accepts 0..size-1 and reports values outside, for every index type" do
+      for type <- [{:s, 32}, {:s, 64}, {:u, 8}, {:u, 64}, {:s, 8}] do
+        assert Emily.Debug.assert_in_bounds!(s(), t([0, 1, 2, 2], type), 3, :take) == :ok
+      end
+
+      e =
+        assert_raise Emily.Error, fn ->
+          Emily.Debug.assert_in_bounds!(s(), t([0, 3, -1, 2, 7], {:s, 32}), 3, :take)
+        end
+
+      assert e.op == "take"
+      assert e.message =~ "3 of the indices s32[5] are outside 0..2"
+
+      # u8 index 200 against an axis of 300: in bounds (no wrap-around in the check).
+      assert Emily.Debug.assert_in_bounds!(s(), t([200, 299], {:u, 8}), 300, :gather) == :ok
+
+      assert_raise Emily.Error, ~r/1 of the indices/, fn ->
+        Emily.Debug.assert_in_bounds!(s(), t([0, 1], {:s, 32}), 1, :gather)
+      end
+
+      assert_raise Emily.Error, ~r/outside 0..-1/, fn ->
+        Emily.Debug.assert_in_bounds!(s(), t([0], {:s, 32}), 0, :gather)
+      end
+    end
+
+    test "assert_finite!/3 finds NaN and infinities in float results; integers pass" do
+      assert Emily.Debug.assert_finite!(s(), t([1.0, -2.5, 0.0]), :matmul) == :ok
+      assert Emily.Debug.assert_finite!(s(), t([1, 2], {:s, 32}), :matmul) == :ok
+      assert Emily.Debug.assert_finite!(s(), t([true], :bool), :matmul) == :ok
+
+      for dtype <- [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}] do
+        e =
+          assert_raise Emily.Error, fn ->
+            Emily.Debug.assert_finite!(
+              s(),
+              t([1.0, :nan, :infinity, :neg_infinity], dtype),
+              :rms_norm
+            )
+          end
+
+        assert e.message =~ "rms_norm: 3 NaN or infinite values"
+      end
+
+      # A list of tensors, and a lazy result (1 / 0).
+      inf = N.divide(s(), t([1.0]), t([0.0]))
+
+      assert_raise Emily.Error, ~r/1 NaN or infinite/, fn ->
+        Emily.Debug.assert_finite!(s(), [t([1.0]), inf], :eval)
+      end
+    end
+  end
+end

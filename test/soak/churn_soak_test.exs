@@ -1,0 +1,53 @@
+defmodule Emily.Soak.ChurnTest do
+  # 1,000 streams created and dropped (EMILY_SOAK_SCALE multiplies), 8 at a time: the OS
+  # thread count returns to its baseline. MLX never reclaims a stream, nor on the CPU the
+  # thread that runs its kernels; Emily reuses its worker threads (and their MLX streams),
+  # so after a warm-up no thread is started at all.
+  use Emily.TestCase, async: false
+  @moduletag :soak
+  @moduletag timeout: 600_000
+
+  defp batch do
+    for i <- 1..8 do
+      Task.async(fn ->
+        st = Emily.Stream.new(:cpu)
+        x = Emily.from_list([i * 1.0], {:f, 32}, stream: st)
+        [y] = Emily.to_list(N.add(st, x, x))
+        if rem(i, 2) == 0, do: Emily.Stream.release(st)
+        y
+      end)
+    end
+    |> Task.await_many(30_000)
+  end
+
+  # Until every started thread is idle again (the batch's streams are garbage).
+  defp await_idle(tries \\ 500) do
+    %{started: started, idle: idle} = Emily.Stream.thread_stats(:cpu)
+    busy = started - idle
+
+    cond do
+      # The application's default CPU stream keeps its thread.
+      busy <= 1 -> :ok
+      tries == 0 -> flunk("threads still busy: #{busy}")
+      true -> Process.sleep(1) && await_idle(tries - 1)
+    end
+  end
+
+  defp os_threads, do: length(File.ls!("/proc/self/task"))
+
+  test "stream churn: no thread is started after warm-up; the OS thread count is back to baseline" do
+    batch()
+    await_idle()
+    baseline = os_threads()
+    %{started: started} = Emily.Stream.thread_stats(:cpu)
+
+    for _ <- 1..div(Emily.Soak.n(1_000), 8) do
+      assert batch() == Enum.map(1..8, &(&1 * 2.0))
+      await_idle()
+    end
+
+    assert Emily.Stream.thread_stats(:cpu).started == started
+    # BEAM threads come and go only with the VM's own work (none here).
+    assert os_threads() <= baseline
+  end
+end
