@@ -6,9 +6,10 @@
 //! graph node, evaluates, and replies to the caller with `{ref, result}` messages.
 //!
 //! Arrays never leave their worker: the worker keeps them in a map keyed by tensor id, and
-//! an Elixir tensor is just `(worker, id)`. So a lazy op costs the caller one queue push,
-//! and the worker builds nodes while the caller goes on (the performance targets of
-//! `bench/` rest on this). Only evaluated arrays cross threads (`bridge::SendArray`).
+//! an Elixir tensor is just `(worker, id)`. So a lazy op costs the caller one lock-free
+//! queue push (the performance targets of `bench/` rest on this); the worker builds the
+//! queued nodes when it is woken: by a job that needs a value, or every `LAZY_BATCH` ops.
+//! Only evaluated arrays cross threads (`bridge::SendArray`).
 //!
 //! Dropping the last handle to a worker (its stream and every tensor made on it) closes
 //! its queue; the thread drains the queue, drops its arrays and compiled programs, and
@@ -23,10 +24,10 @@
 //!
 //! A lazy tensor of worker A used by an op on worker B is first evaluated on A: the NIF
 //! queues an export job on A, then queues the op on B; B's job waits for the export's
-//! one-shot reply before it builds its node. Only op jobs wait, and only on exports; an
-//! export evaluates A's own graph, which never holds a lazy array of another worker (its
-//! cross-stream inputs were resolved the same way when its nodes were built), so an export
-//! never waits on another worker.
+//! one-shot reply before it builds its node. Only op (and program) jobs wait, and only on
+//! exports, which are queued with a wake-up. An export evaluates A's own graph, which
+//! never holds a lazy array of another worker (its cross-stream inputs were resolved the
+//! same way when its nodes were built), so an export never waits on another worker.
 //!
 //! Every wait points back in time: a job waits on an export queued *before* it (same NIF
 //! call, in program order), and a queued job waits on the jobs ahead of it on its own
