@@ -18,6 +18,21 @@ defmodule Emily.Native do
     * Bad Elixir arguments (wrong term types, an unknown dtype, a negative dimension)
       raise `ArgumentError` before any native work.
 
+  ## Beyond ops
+
+    * **Streams** (`stream_*`): see `Emily.Stream`. An op's tensor inputs may belong to
+      any stream; a lazy one is evaluated on its own stream first.
+    * **Graphs**: `eval/2` takes tensors of any streams; `async_eval/1` starts
+      evaluations and returns; `program_new/4` and `program_run/3` replay a list of ops
+      in one call, optionally compiled (`Emily.Program` documents the format); `op_table/0`
+      lists the ops programs can use.
+    * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op
+      result larger than MLX's memory limit fails with `Emily.Error`.
+    * **Debug** (`debug_*`): counts read back by `Emily.Debug`.
+
+  List arguments must be proper lists; integers in `ints` arguments must fit in 32 bits
+  (MLX's axes, starts and strides are 32-bit): both raise `ArgumentError` otherwise.
+
   Dtypes are Nx type names: `{:u, 8}` … `{:s, 64}`, `{:f, 16 | 32 | 64}`, `{:bf, 16}`,
   `{:c, 64}`, and `:bool`. Scalars (`:float` arguments) accept integers, floats, `:nan`,
   `:infinity` and `:neg_infinity`.

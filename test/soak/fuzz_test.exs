@@ -16,6 +16,8 @@ defmodule Emily.Soak.FuzzTest do
     assert stats.calls == n
     assert stats.functions == length(Emily.Fuzz.functions())
     assert stats.functions >= 100
+    # Every function was called.
+    assert MapSet.new(Emily.Fuzz.functions(), &elem(&1, 0)) == stats.called
     # Not vacuous: calls went through, were refused, and reached MLX and failed there.
     assert stats.ok > 0
     assert stats.raised[ArgumentError] > 0

@@ -73,6 +73,7 @@ defmodule Emily.Fuzz do
 
   defp call(st, stats, name, args) do
     stats = %{stats | calls: stats.calls + 1}
+    stats = Map.update(stats, :called, MapSet.new([name]), &MapSet.put(&1, name))
 
     try do
       result = apply(N, name, args)

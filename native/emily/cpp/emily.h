@@ -31,6 +31,9 @@ std::unique_ptr<Stream> stream_new(int32_t device);
 void synchronize(const Stream& s);
 // Makes `s` its device's default stream on the calling thread (MLX keeps defaults per thread).
 void stream_set_default(const Stream& s);
+// Registers (once) an exit handler that lets workers finish before MLX's static objects
+// are destroyed (see worker.rs). Call it after MLX's allocator and scheduler exist.
+void install_exit_guard();
 
 // tensor.cc
 std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,

@@ -1,5 +1,10 @@
 // Streams and devices. Every function here runs on the worker thread that owns the stream.
+#include <cstdlib>
+#include <mutex>
+
 #include "emily.h"
+#include "emily/src/bridge.rs.h"
+#include "mlx/scheduler.h"
 
 namespace emily {
 namespace mx = mlx::core;
@@ -11,5 +16,29 @@ bool device_available(int32_t d) { return mx::is_available(device_of(d)); }
 std::unique_ptr<Stream> stream_new(int32_t d) { return std::make_unique<Stream>(mx::new_stream(device_of(d))); }
 void synchronize(const Stream& s) { mx::synchronize(s); }
 void stream_set_default(const Stream& s) { mx::set_default_stream(s); }
+
+void install_exit_guard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // The VM halts through exit(), which runs exit handlers, then the destructors of
+    // static objects and of shared libraries (OpenBLAS unmaps its buffers there) while
+    // MLX's threads may still be computing. Handlers run in the reverse order of
+    // registration: constructing MLX's allocator and scheduler first makes this one run
+    // before their destructors, and it lets the running work finish.
+    (void)mx::get_active_memory();
+    (void)mx::scheduler::scheduler();
+    std::atexit([] {
+      quiesce_workers();
+      // Kernels of an async_eval may still run on MLX's CPU stream threads. (This is the
+      // one MLX call made off a worker thread: the VM is going away.)
+      try {
+        for (const auto& st : mx::get_streams()) {
+          if (st.device == mx::Device::cpu) mx::synchronize(st);
+        }
+      } catch (...) {
+      }
+    });
+  });
+}
 
 }  // namespace emily

@@ -2,6 +2,12 @@
 //! whose per-op cases are generated from the op table (build/codegen.rs).
 #[cxx::bridge(namespace = "emily")]
 pub mod ffi {
+    extern "Rust" {
+        /// Called at process exit: waits (boundedly) for running jobs to finish, and
+        /// keeps workers from starting new ones.
+        fn quiesce_workers();
+    }
+
     unsafe extern "C++" {
         include!("emily.h");
 
@@ -22,6 +28,7 @@ pub mod ffi {
         fn stream_new(device: i32) -> Result<UniquePtr<Stream>>;
         fn synchronize(s: &Stream) -> Result<()>;
         fn stream_set_default(s: &Stream) -> Result<()>;
+        fn install_exit_guard() -> Result<()>;
 
         fn from_bytes(data: &[u8], shape: &[i32], dtype_val: u8, dtype_size: u8) -> Result<UniquePtr<Array>>;
         fn clone_array(a: &Array) -> UniquePtr<Array>;
@@ -78,6 +85,10 @@ pub mod ffi {
             s: &Stream,
         ) -> Result<UniquePtr<ArrayVec>>;
     }
+}
+
+fn quiesce_workers() {
+    crate::worker::quiesce(std::time::Duration::from_secs(5));
 }
 
 /// An evaluated array, safe to read from any thread: MLX only forbids *lazy* arrays from

@@ -6,9 +6,10 @@
 //! graph node, evaluates, and replies to the caller with `{ref, result}` messages.
 //!
 //! Arrays never leave their worker: the worker keeps them in a map keyed by tensor id, and
-//! an Elixir tensor is just `(worker, id)`. So a lazy op costs the caller one queue push,
-//! and the worker builds nodes while the caller goes on (the performance targets of
-//! `bench/` rest on this). Only evaluated arrays cross threads (`bridge::SendArray`).
+//! an Elixir tensor is just `(worker, id)`. So a lazy op costs the caller one lock-free
+//! queue push (the performance targets of `bench/` rest on this); the worker builds the
+//! queued nodes when it is woken: by a job that needs a value, or every `LAZY_BATCH` ops.
+//! Only evaluated arrays cross threads (`bridge::SendArray`).
 //!
 //! Dropping the last handle to a worker (its stream and every tensor made on it) closes
 //! its queue; the thread drains the queue, drops its arrays and compiled programs, and
@@ -23,10 +24,10 @@
 //!
 //! A lazy tensor of worker A used by an op on worker B is first evaluated on A: the NIF
 //! queues an export job on A, then queues the op on B; B's job waits for the export's
-//! one-shot reply before it builds its node. Only op jobs wait, and only on exports; an
-//! export evaluates A's own graph, which never holds a lazy array of another worker (its
-//! cross-stream inputs were resolved the same way when its nodes were built), so an export
-//! never waits on another worker.
+//! one-shot reply before it builds its node. Only op (and program) jobs wait, and only on
+//! exports, which are queued with a wake-up. An export evaluates A's own graph, which
+//! never holds a lazy array of another worker (its cross-stream inputs were resolved the
+//! same way when its nodes were built), so an export never waits on another worker.
 //!
 //! Every wait points back in time: a job waits on an export queued *before* it (same NIF
 //! call, in program order), and a queued job waits on the jobs ahead of it on its own
@@ -132,6 +133,41 @@ struct Idle {
 fn idle() -> &'static Mutex<Vec<Idle>> {
     static IDLE: Mutex<Vec<Idle>> = Mutex::new(Vec::new());
     &IDLE
+}
+
+/// Set at process exit: workers run no more jobs (see `quiesce`).
+static EXITING: AtomicBool = AtomicBool::new(false);
+/// Worker threads running a job now.
+static BUSY: AtomicUsize = AtomicUsize::new(0);
+
+/// At process exit, C++ destroys MLX's static objects (its allocator among them) while
+/// worker threads may still be using them, which corrupts the heap. This runs first (an
+/// exit handler registered after those objects were built): from now on workers start
+/// no job, and this waits, up to `limit`, for the running ones to finish.
+pub fn quiesce(limit: std::time::Duration) {
+    EXITING.store(true, Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + limit;
+    while BUSY.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Runs `job`, unless the process is exiting (then the thread stops for good).
+fn run_job(job: Job, state: &mut State) {
+    BUSY.fetch_add(1, Ordering::SeqCst);
+    if EXITING.load(Ordering::SeqCst) {
+        BUSY.fetch_sub(1, Ordering::SeqCst);
+        // The job is never run: its captures (MLX arrays included) must not be dropped
+        // either, while MLX's statics are being destroyed.
+        std::mem::forget(job);
+        loop {
+            std::thread::park();
+        }
+    }
+    // MLX errors arrive as Results; a panic here would be a bug in Emily, and must not
+    // take the VM down with it.
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(state)));
+    BUSY.fetch_sub(1, Ordering::SeqCst);
 }
 
 /// Threads started so far, by device (they never stop while the VM runs).
@@ -268,32 +304,46 @@ fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
         Ok(false) => Err(format!("device {device:?} is not available in this MLX build")),
         Err(e) => Err(e.what().to_string()),
     };
-    let stream =
-        match stream.and_then(|s| ffi::stream_set_default(&s).map(|_| s).map_err(|e| e.what().to_string())) {
-            Ok(s) => {
-                let _ = ready.send(Ok(()));
-                s
-            }
-            Err(e) => {
-                let _ = ready.send(Err(e));
-                return;
-            }
-        };
+    // The thread's stream becomes its MLX default (MLX code that falls back to the default
+    // stream then makes no other), and the exit guard is installed once MLX is up.
+    let stream = stream.and_then(|s| {
+        ffi::stream_set_default(&s)
+            .and_then(|_| ffi::install_exit_guard())
+            .map(|_| s)
+            .map_err(|e| e.what().to_string())
+    });
+    let stream = match stream {
+        Ok(s) => {
+            let _ = ready.send(Ok(()));
+            s
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
     let mut state = State { stream, arrays: HashMap::new(), compiled: HashMap::new() };
     let mut session = first;
     loop {
         while let Some(job) = next_job(&session) {
-            // MLX errors arrive as Results; a panic here would be a bug in Emily, and must
-            // not take the VM down with it.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut state)));
+            run_job(job, &mut state);
         }
         // The session is over: every handle is gone, so nothing can name these any more.
+        BUSY.fetch_add(1, Ordering::SeqCst);
+        if EXITING.load(Ordering::SeqCst) {
+            BUSY.fetch_sub(1, Ordering::SeqCst);
+            std::mem::forget(state);
+            loop {
+                std::thread::park();
+            }
+        }
         // Compiled programs go first: their cache entries live in this thread's cache.
         state.compiled.clear();
         state.arrays.clear();
         // Waits for the stream's last kernels, and takes any error they left behind (an
         // async_eval nobody waited for) so that the next session starts clean.
         let _ = ffi::synchronize(&state.stream);
+        BUSY.fetch_sub(1, Ordering::SeqCst);
         let (handoff, next) = mpsc::channel::<Session>();
         idle().lock().unwrap().push(Idle { device, handoff, thread: std::thread::current() });
         match next.recv() {
