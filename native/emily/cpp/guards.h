@@ -18,6 +18,12 @@ inline mlx::core::Shape nonzero_strides(mlx::core::Shape strides) {
   return strides;
 }
 
+// MLX's LAPACK-backed linalg divides by the matrix size: an empty input would trap.
+inline const mlx::core::array& nonempty(const mlx::core::array& a) {
+  if (a.size() == 0) throw std::invalid_argument("linear algebra needs a non-empty input");
+  return a;
+}
+
 // An int argument MLX divides by (a group size, a bit width): zero would trap.
 inline int positive(int64_t x, const char* name) {
   if (x <= 0 || x > INT32_MAX) {
