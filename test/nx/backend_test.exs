@@ -602,21 +602,19 @@ if Code.ensure_loaded?(Nx) do
           shape = O.shape(1)
           dims = Tuple.to_list(shape)
           type = Enum.random([{:f, 32}, {:s, 32}, {:f, 64}])
-          # Distinct values, all above the init value (0), which Nx pads with: which of
-          # tied elements a window picks differs between implementations.
-          t = Nx.iota(shape, type: type, backend: Nx.BinaryBackend) |> Nx.add(1)
-          t = Nx.reshape(t, {Nx.size(shape)})
-
-          t =
-            t
-            |> Nx.take(
-              Nx.tensor(Enum.shuffle(0..(Nx.size(shape) - 1)), backend: Nx.BinaryBackend)
-            )
-            |> Nx.reshape(shape)
-
+          # Small values: ties within a window (the last one wins) and padding (the init
+          # value, which can win a window and then drops its update) both occur.
+          t = O.tensor(shape, type, :small)
           window = Enum.map(dims, &Enum.random(1..&1))
           strides = Enum.map(dims, fn _ -> Enum.random(1..2) end)
-          padding = Enum.random([:valid, :same])
+
+          padding =
+            Enum.random([
+              :valid,
+              :same,
+              Enum.map(dims, fn _ -> {Enum.random(0..2), Enum.random(0..2)} end)
+            ])
+
           opts = [strides: strides, padding: padding]
 
           source_shape =
@@ -625,7 +623,7 @@ if Code.ensure_loaded?(Nx) do
             end)
 
           source = O.tensor(source_shape, type, :small)
-          init = Nx.tensor(0, type: type, backend: Nx.BinaryBackend)
+          init = Nx.tensor(Enum.random(-3..3), type: type, backend: Nx.BinaryBackend)
           check(&apply(Nx, op, [&1, &2, &3, List.to_tuple(window), opts]), [t, source, init])
         end
       end
@@ -736,6 +734,20 @@ if Code.ensure_loaded?(Nx) do
           O.tensor({1, 2, 4}, {:s, 32}, :small),
           O.tensor({3, 2, 2}, {:s, 32}, :small)
         ])
+
+        # Complex inputs (four real convolutions), with groups and padding.
+        check(
+          &Nx.conv(&1, &2, padding: [{2, 1}], feature_group_size: 2),
+          [
+            O.tensor({2, 4, 5}, {:c, 64}),
+            O.tensor({4, 2, 3}, {:c, 64})
+          ],
+          tol: {1.0e-4, 1.0e-4}
+        )
+
+        check(&Nx.conv/2, [O.tensor({1, 2, 4}, {:f, 32}), O.tensor({3, 2, 2}, {:c, 64})],
+          tol: {1.0e-4, 1.0e-4}
+        )
 
         input = O.tensor({1, 5, 5, 2}, {:f, 32})
         kernel = O.tensor({3, 2, 2, 2}, {:f, 32})
