@@ -448,8 +448,7 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_stack(%T{type: type} = out, tensors, axis) do
       s = stream(tensors, type)
-      refs = Enum.map(tensors, &N.expand_dims(s, ref(&1, s, type), [axis]))
-      wrap(N.concatenate(s, refs, axis), out, s)
+      wrap(N.stack(s, Enum.map(tensors, &ref(&1, s, type)), axis), out, s)
     end
 
     defp n_select(%T{type: type} = out, pred, on_true, on_false) do
@@ -461,8 +460,7 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_clip(%T{type: type} = out, %T{} = t, %T{} = min, %T{} = max) do
       s = stream([t, min, max], type)
-      x = N.maximum(s, ref(t, s, type), ref(min, s, type))
-      wrap(N.minimum(s, x, ref(max, s, type)), out, s)
+      wrap(N.clip(s, ref(t, s, type), ref(min, s, type), ref(max, s, type)), out, s)
     end
 
     ## Reductions
@@ -710,44 +708,12 @@ if Code.ensure_loaded?(Nx) do
 
     ## Linear algebra
 
-    defp n_dot(%T{type: type, shape: out_shape} = out, l, cl, bl, r, cr, br) do
+    # The table's dot is Nx's dot/7 (batch axes, then each side's free axes); MLX's
+    # matmul being floating point only, integer dots multiply and sum, wrapping like Nx.
+    defp n_dot(%T{type: type} = out, l, cl, bl, r, cr, br) do
       s = stream([l, r], type)
-      a = ref(l, s, type)
-      b = ref(r, s, type)
-      fl = free_axes(l, cl, bl)
-      fr = free_axes(r, cr, br)
-      a = permute(s, a, l.shape, bl ++ fl ++ cl)
-      b = permute(s, b, r.shape, br ++ cr ++ fr)
-      batch = dims_product(l.shape, bl)
-      m = dims_product(l.shape, fl)
-      k = dims_product(l.shape, cl)
-      n = dims_product(r.shape, fr)
-
-      result =
-        case type do
-          {kind, _} when kind in [:u, :s] ->
-            # MLX's matmul is floating point only: integer dots multiply and sum, exactly
-            # (wrapping like Nx's).
-            a = reshape(a, s, {batch, m, k, 1})
-            b = reshape(b, s, {batch, 1, k, n})
-            # (MLX sums narrow integers into 32 bits.)
-            N.astype(s, N.sum(s, N.multiply(s, a, b), [2], false), type)
-
-          _ when bl == [] ->
-            N.matmul(s, reshape(a, s, {m, k}), reshape(b, s, {k, n}))
-
-          _ ->
-            N.matmul(s, reshape(a, s, {batch, m, k}), reshape(b, s, {batch, k, n}))
-        end
-
-      wrap(reshape(result, s, out_shape), out, s)
+      wrap(N.dot(s, ref(l, s, type), cl, bl, ref(r, s, type), cr, br), out, s)
     end
-
-    defp free_axes(%T{shape: shape}, contract, batch) do
-      for axis <- 0..(tuple_size(shape) - 1)//1, axis not in contract, axis not in batch, do: axis
-    end
-
-    defp dims_product(shape, axes), do: Enum.reduce(axes, 1, &(elem(shape, &1) * &2))
 
     ## Native paths over the full op table
     #
@@ -963,6 +929,12 @@ if Code.ensure_loaded?(Nx) do
 
     defp native_block?(%Nx.Block.Phase{}, out, [%T{type: {:c, 64}}]), do: native_type?(out)
 
+    # MLX's isclose is Nx's test (|a - b| <= atol + rtol * |b|, infinities equal only to
+    # themselves, NaN per equal_nan); its tolerances are f32 scalars, so half-precision and
+    # integer inputs would compute the bound in another type than Nx: those run Nx's own.
+    defp native_block?(%Nx.Block.AllClose{}, _out, [%T{type: type}, %T{type: type}]),
+      do: type in [{:f, 32}, {:f, 64}]
+
     defp native_block?(%struct{}, out, [t, i])
          when struct in [Nx.Block.Take, Nx.Block.TakeAlongAxis],
          do: native_type?(out) and native_type?(t) and native_type?(i)
@@ -1007,6 +979,12 @@ if Code.ensure_loaded?(Nx) do
     defp n_block(%Nx.Block.LogicalNot{}, %T{type: type} = out, [t]) do
       s = stream([t], type)
       x = N.logical_not(s, N.astype(s, ref(t, s), :bool))
+      wrap(N.astype(s, x, type), out, s)
+    end
+
+    defp n_block(%Nx.Block.AllClose{} = o, %T{type: type} = out, [a, b]) do
+      s = stream([a, b], a.type)
+      x = N.allclose(s, ref(a, s), ref(b, s), o.rtol, o.atol, o.equal_nan)
       wrap(N.astype(s, x, type), out, s)
     end
 
@@ -1282,12 +1260,6 @@ if Code.ensure_loaded?(Nx) do
 
     defp reshape(x, s, shape), do: N.reshape(s, x, shape)
     defp broadcast_to(x, s, shape), do: N.broadcast_to(s, x, shape)
-
-    defp permute(s, x, shape, axes) do
-      if axes == Enum.to_list(0..(tuple_size(shape) - 1)//1),
-        do: x,
-        else: N.transpose(s, x, axes)
-    end
 
     defp unzip3(list) do
       {Enum.map(list, &elem(&1, 0)), Enum.map(list, &elem(&1, 1)), Enum.map(list, &elem(&1, 2))}

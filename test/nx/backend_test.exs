@@ -655,10 +655,39 @@ if Code.ensure_loaded?(Nx) do
           check(&Nx.top_k(&1, k: k), [t])
         end
 
+        # Ties go to the lower index, NaN is the largest, as in Nx's own top_k.
+        for type <- [{:f, 32}, {:s, 32}, {:f, 16}] do
+          check(&Nx.top_k(&1, k: 3), [O.tensor({3, 5}, type, :small)])
+        end
+
+        check(&Nx.top_k(&1, k: 4), [
+          Nx.tensor([1.0, :nan, 3.0, :infinity, 3.0, :neg_infinity], backend: Nx.BinaryBackend)
+        ])
+
         t = O.tensor({3, 4}, {:f, 32}, :small)
         check(&Nx.logical_not/1, [t])
-        check(&Nx.all_close(&1, &2), [t, t])
-        check(&Nx.all_close(&1, &2), [t, Nx.add(t, 1.0e-3)])
+
+        for type <- [{:f, 32}, {:f, 64}, {:f, 16}, {:s, 32}] do
+          a = O.tensor({3, 4}, type, :small)
+          check(&Nx.all_close(&1, &2), [a, a])
+          check(&Nx.all_close(&1, &2), [a, Nx.add(a, 1.0e-3)])
+          check(&Nx.all_close(&1, &2, atol: 1.0e-2), [a, Nx.add(a, 1.0e-3)])
+        end
+
+        special = O.tensor({8}, {:f, 32}, :special)
+
+        for equal_nan <- [true, false] do
+          check(&Nx.all_close(&1, &2, equal_nan: equal_nan), [special, special])
+        end
+
+        inf = Nx.tensor([1.0, :infinity], backend: Nx.BinaryBackend)
+
+        check(&Nx.all_close(&1, &2), [
+          inf,
+          Nx.tensor([1.0, :neg_infinity], backend: Nx.BinaryBackend)
+        ])
+
+        check(&Nx.all_close(&1, &2), [inf, inf])
       end
     end
 
