@@ -633,7 +633,6 @@ if Code.ensure_loaded?(Nx) do
       rsqrt: :rsqrt,
       erf: :erf,
       erfc: :erfc,
-      erf_inv: :erfinv,
       cbrt: :cbrt,
       round: :round_half_away,
       population_count: :population_count,
@@ -647,6 +646,39 @@ if Code.ensure_loaded?(Nx) do
       defp unquote(:"n_#{name}")(%T{type: type} = out, %T{} = t) do
         s = stream([t], type)
         wrap(N.unquote(mlx)(s, ref(t, s, type)), out, s)
+      end
+    end
+
+    # Nx.BinaryBackend's erf_inv is Giles' single-precision approximation evaluated in
+    # f64 (Complex.erf_inv) and rounded once. Where the stream computes f64 (the CPU),
+    # Emily evaluates the same formula the same way, so both agree to the last bit, on
+    # f64 too (whose MLX erfinv has f32 accuracy). A GPU runs MLX's erfinv in f32.
+    @erf_inv_small [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06] ++
+                     [0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941]
+    @erf_inv_large [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844] ++
+                     [0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
+
+    defp n_erf_inv(%T{type: type} = out, %T{} = t) do
+      s = stream([t], type)
+
+      if Emily.Stream.device(s) == :cpu do
+        f64 = {:f, 64}
+        c = &scalar(s, &1, f64, {})
+        z = ref(t, s, f64)
+        w = N.negative(s, N.log(s, N.multiply(s, N.subtract(s, c.(1), z), N.add(s, c.(1), z))))
+
+        horner = fn coeffs, x ->
+          Enum.reduce(tl(coeffs), c.(hd(coeffs)), &N.add(s, N.multiply(s, &2, x), c.(&1)))
+        end
+
+        small = horner.(@erf_inv_small, N.subtract(s, w, c.(2.5)))
+        large = horner.(@erf_inv_large, N.subtract(s, N.sqrt(s, w), c.(3)))
+        x = N.multiply(s, N.where(s, N.less(s, w, c.(5)), small, large), z)
+        x = N.where(s, N.equal(s, z, c.(1)), c.(:infinity), x)
+        x = N.where(s, N.equal(s, z, c.(-1)), c.(:neg_infinity), x)
+        wrap(N.astype(s, x, type), out, s)
+      else
+        wrap(N.erfinv(s, ref(t, s, type)), out, s)
       end
     end
 
@@ -835,20 +867,38 @@ if Code.ensure_loaded?(Nx) do
       )
     end
 
-    # Nx's options map onto one lower/upper solve a x = b: a transposed a swaps lower
-    # and upper; x a = b is a^T x^T = b^T.
-    defp n_triangular_solve(%T{type: {:c, _}} = out, a, b, opts),
-      do: fallback(:triangular_solve, [out, a, b, opts])
+    ## Linear algebra (LAPACK through MLX)
+    #
+    # On a CPU worker: MLX's linalg is CPU-only. The LinAlg blocks run in their input's
+    # type (f32, f64; eigh and svd also c64), as Nx's own algorithms do; other input types
+    # run the block's default (Nx's algorithm, on this backend's ops). triangular_solve,
+    # a callback Nx.BinaryBackend computes in f64, computes in f64 for every type and
+    # rounds once.
 
+    defp linalg_stream(inputs), do: cpu(stream(inputs, {:f, 64}))
+    defp linalg_out(x, %T{type: type} = out, s), do: wrap(N.astype(s, x, type), out, s)
+
+    # Nx's options map onto one lower/upper solve a x = b: a transposed a swaps lower
+    # and upper; x a = b is a^T x^T = b^T. A zero on the diagonal raises, as in Nx. In
+    # f64 (c64 as f64 parts), as Nx.BinaryBackend solves.
     defp n_triangular_solve(%T{type: type} = out, a, b, opts) do
-      s = cpu(stream([a, b], type))
+      s = linalg_stream([a, b])
       rank = tuple_size(a.shape)
-      x = ref(a, s, type)
-      y = ref(b, s, type)
+      n = elem(a.shape, rank - 1)
+      compute = if match?({:c, _}, type), do: {:c, 64}, else: {:f, 64}
+      x = ref(a, s, compute)
+      y = ref(b, s, compute)
+      singular = Emily.Backend.LinAlg.singular?(s, x, compute, rank, n)
+
+      if Emily.to_binary(singular) == <<1>> do
+        raise ArgumentError, "can't solve for singular matrix"
+      end
+
+      x = if opts[:transform_a] == :conjugate, do: N.conjugate(s, x), else: x
       lower? = opts[:lower]
       left? = opts[:left_side]
       transpose? = opts[:transform_a] == :transpose
-      # Solving x a = b: a^T x^T = b^T.
+
       {x, lower?} =
         if transpose? != not left?, do: {swap_last(s, x, rank), not lower?}, else: {x, lower?}
 
@@ -861,7 +911,10 @@ if Code.ensure_loaded?(Nx) do
           true -> swap_last(s, y, rank)
         end
 
-      r = N.solve_triangular(s, x, y, not lower?)
+      r =
+        if compute == {:c, 64},
+          do: Emily.Backend.LinAlg.complex_triangular_solve(s, x, y, lower?, rank, n),
+          else: N.solve_triangular(s, x, y, not lower?)
 
       r =
         cond do
@@ -870,7 +923,7 @@ if Code.ensure_loaded?(Nx) do
           true -> swap_last(s, r, rank)
         end
 
-      wrap(r, out, s)
+      linalg_out(r, out, s)
     end
 
     defp swap_last(s, x, rank) do
@@ -955,13 +1008,16 @@ if Code.ensure_loaded?(Nx) do
          when struct in [Nx.Block.FFT2, Nx.Block.IFFT2, Nx.Block.RFFT, Nx.Block.IRFFT],
          do: native_type?(out) and native_type?(t) and kind in [:c, :f]
 
-    # LAPACK through MLX, on a CPU worker: real f32/f64 (eigh and svd also c64).
-    defp native_block?(%Nx.Block.LinAlg.QR{mode: mode}, _out, [t]),
-      do: mode == :reduced and linalg_type?(t, [{:f, 32}, {:f, 64}])
+    # LAPACK through MLX: real types (eigh and svd also c64). QR's :complete mode is
+    # the reduced one for m <= n; MLX has no complete Q for m > n.
+    defp native_block?(%Nx.Block.LinAlg.QR{mode: mode}, _out, [%T{shape: shape} = t]) do
+      rank = tuple_size(shape)
+      real?(t) and (mode == :reduced or elem(shape, rank - 2) <= elem(shape, rank - 1))
+    end
 
     defp native_block?(%struct{}, _out, [t])
          when struct in [Nx.Block.LinAlg.Eigh, Nx.Block.LinAlg.SVD],
-         do: linalg_type?(t, [{:f, 32}, {:f, 64}, {:c, 64}])
+         do: real?(t) or t.type == {:c, 64}
 
     defp native_block?(%struct{}, _out, [t])
          when struct in [
@@ -969,10 +1025,9 @@ if Code.ensure_loaded?(Nx) do
                 Nx.Block.LinAlg.LU,
                 Nx.Block.LinAlg.Determinant
               ],
-         do: linalg_type?(t, [{:f, 32}, {:f, 64}])
+         do: real?(t)
 
-    defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]),
-      do: linalg_type?(a, [{:f, 32}, {:f, 64}]) and linalg_type?(b, [{:f, 32}, {:f, 64}])
+    defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]), do: real?(a) and real?(b)
 
     defp native_block?(_struct, _out, _args), do: false
 
@@ -1037,55 +1092,57 @@ if Code.ensure_loaded?(Nx) do
     defp n_block(%Nx.Block.IRFFT{length: n, axis: axis, eps: eps}, out, [t]),
       do: fft_block(:irfft, out, t, [n, axis], eps)
 
-    defp n_block(%Nx.Block.LinAlg.Cholesky{}, %T{type: type} = out, [t]) do
-      s = cpu(stream([t], type))
-      wrap(N.cholesky(s, ref(t, s, type), false), out, s)
+    defp n_block(%Nx.Block.LinAlg.Cholesky{}, out, [t]) do
+      s = linalg_stream([t])
+      linalg_out(N.cholesky(s, ref(t, s), false), out, s)
     end
 
-    defp n_block(%Nx.Block.LinAlg.Solve{}, %T{type: type} = out, [a, b]) do
-      s = cpu(stream([a, b], type))
-      wrap(N.solve(s, ref(a, s, type), ref(b, s, type)), out, s)
+    defp n_block(%Nx.Block.LinAlg.Solve{}, out, [a, b]) do
+      s = linalg_stream([a, b])
+      linalg_out(N.solve(s, ref(a, s), ref(b, s)), out, s)
     end
 
-    defp n_block(%Nx.Block.LinAlg.QR{}, {%T{type: type} = q_out, r_out}, [t]) do
-      s = cpu(stream([t], type))
-      [q, r] = N.qr(s, ref(t, s, type))
-      {wrap(q, q_out, s), wrap(r, r_out, s)}
+    defp n_block(%Nx.Block.LinAlg.QR{eps: eps}, {q_out, r_out}, [t]) do
+      s = linalg_stream([t])
+      {q, r} = Emily.Backend.LinAlg.qr(s, ref(t, s), t.type, t.shape, eps)
+      {linalg_out(q, q_out, s), linalg_out(r, r_out, s)}
     end
 
-    defp n_block(%Nx.Block.LinAlg.Eigh{}, {%T{type: vt} = vals_out, %T{type: et} = vecs_out}, [
-           t
-         ]) do
-      s = cpu(stream([t], et))
-      [vals, vecs] = N.eigh(s, ref(t, s, et), "L")
-      {wrap(N.astype(s, vals, vt), vals_out, s), wrap(vecs, vecs_out, s)}
+    defp n_block(%Nx.Block.LinAlg.Eigh{eps: eps}, {vals_out, vecs_out}, [t]) do
+      s = linalg_stream([t])
+      x = ref(t, s)
+      {vals, vecs} = Emily.Backend.LinAlg.eigh(s, x, t.type, t.shape, eps)
+      {linalg_out(vals, vals_out, s), linalg_out(vecs, vecs_out, s)}
     end
 
     defp n_block(%Nx.Block.LinAlg.SVD{full_matrices?: full?}, {u_out, s_out, vt_out}, [t]) do
-      %T{type: type} = u_out
-      s = cpu(stream([t], type))
-      [u, sv, vt] = N.svd(s, ref(t, s, type))
+      s = linalg_stream([t])
+      [u, sv, vt] = N.svd(s, ref(t, s))
       # MLX returns the full U and Vt; Nx's shapes say how much of them to keep.
       u = if full?, do: u, else: crop(s, u, u_out.shape)
       vt = if full?, do: vt, else: crop(s, vt, vt_out.shape)
-      {wrap(u, u_out, s), wrap(N.astype(s, sv, s_out.type), s_out, s), wrap(vt, vt_out, s)}
+      {linalg_out(u, u_out, s), linalg_out(sv, s_out, s), linalg_out(vt, vt_out, s)}
     end
 
     # MLX gives pivots with a = (l @ u)[pivots]; Nx wants the matrix p with a = p.l.u.
-    defp n_block(%Nx.Block.LinAlg.LU{}, {%T{type: pt} = p_out, %T{type: type} = l_out, u_out}, [
-           t
-         ]) do
-      s = cpu(stream([t], type))
-      [pivots, l, u] = N.lu(s, ref(t, s, type))
+    defp n_block(%Nx.Block.LinAlg.LU{}, {p_out, l_out, u_out}, [t]) do
+      s = linalg_stream([t])
+      [pivots, l, u] = N.lu(s, ref(t, s))
       n = elem(p_out.shape, tuple_size(p_out.shape) - 1)
       columns = N.arange(s, 0, n, 1, {:u, 32})
       p = N.equal(s, N.expand_dims(s, N.astype(s, pivots, {:u, 32}), [-1]), columns)
-      {wrap(N.astype(s, p, pt), p_out, s), wrap(l, l_out, s), wrap(u, u_out, s)}
+      {linalg_out(p, p_out, s), linalg_out(l, l_out, s), linalg_out(u, u_out, s)}
     end
 
-    defp n_block(%Nx.Block.LinAlg.Determinant{}, %T{type: type} = out, [t]) do
-      s = cpu(stream([t], type))
-      wrap(N.det(s, ref(t, s, type)), out, s)
+    # MLX's det has closed forms up to 3x3 (as Nx), then goes through exp, which has
+    # f32 accuracy on f64: from the LU instead.
+    defp n_block(%Nx.Block.LinAlg.Determinant{}, out, [%T{shape: shape} = t]) do
+      s = linalg_stream([t])
+      rank = tuple_size(shape)
+      n = elem(shape, rank - 1)
+      x = ref(t, s)
+      d = if n <= 3, do: N.det(s, x), else: Emily.Backend.LinAlg.det(s, x, rank, n)
+      linalg_out(d, out, s)
     end
 
     defp fft_block(op, %T{type: type} = out, t, args, eps) do
@@ -1098,7 +1155,7 @@ if Code.ensure_loaded?(Nx) do
     defp complex_of({:c, _} = type), do: type
     defp complex_of(_), do: {:c, 64}
 
-    defp linalg_type?(%T{type: type}, types), do: type in types
+    defp real?(%T{type: type}), do: type in [{:f, 32}, {:f, 64}]
 
     defp crop(s, x, shape) do
       rank = tuple_size(shape)

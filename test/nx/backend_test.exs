@@ -789,29 +789,77 @@ if Code.ensure_loaded?(Nx) do
       end
 
       test "triangular_solve with every option" do
-        for _ <- 1..@trials do
+        for _ <- 1..(@trials * 2) do
           n = Enum.random(1..4)
           lower = Enum.random([true, false])
           left = Enum.random([true, false])
-          transform = Enum.random([:none, :transpose])
-          type = Enum.random([{:f, 32}, {:f, 64}])
-          # A well-conditioned triangular matrix: a dominant diagonal.
-          a = O.tensor({n, n}, type, :unit)
-          a = Nx.add(a, Nx.multiply(Nx.eye(n, backend: Nx.BinaryBackend), 4))
-          a = if lower, do: Nx.tril(a), else: Nx.triu(a)
-          b = O.tensor(Enum.random([{n}, {n, Enum.random(1..3)}, {Enum.random(1..3), n}]), type)
+          transform = Enum.random([:none, :transpose, :conjugate])
+          type = Enum.random([{:f, 32}, {:f, 64}, {:c, 64}, {:s, 32}])
+          batch = Enum.random([[], [2]])
+          # A well-conditioned matrix (a dominant diagonal); the other triangle is
+          # ignored, so it is left full.
+          domain = if type == {:s, 32}, do: {:range, -2, 2}, else: :unit
+          a = O.tensor(List.to_tuple(batch ++ [n, n]), type, domain)
 
-          b =
+          a =
+            Nx.add(
+              a,
+              Nx.multiply(Nx.eye(List.to_tuple(batch ++ [n, n]), backend: Nx.BinaryBackend), 4)
+            )
+
+          a =
+            if Enum.random([true, false]),
+              do: a,
+              else: if(lower, do: Nx.tril(a), else: Nx.triu(a))
+
+          k = Enum.random(1..3)
+
+          b_shape =
             cond do
-              tuple_size(b.shape) == 1 -> b
-              left -> O.tensor({n, elem(b.shape, 1)}, type)
-              true -> O.tensor({elem(b.shape, 0), n}, type)
+              batch == [] and Enum.random([true, false]) -> {n}
+              left -> List.to_tuple(batch ++ [n, k])
+              true -> List.to_tuple(batch ++ [k, n])
             end
 
-          if left or tuple_size(b.shape) == 2 do
-            opts = [lower: lower, left_side: left, transform_a: transform]
-            check(&Nx.LinAlg.triangular_solve(&1, &2, opts), [a, b], tol: {1.0e-4, 1.0e-5})
-          end
+          b = O.tensor(b_shape, if(type == {:s, 32}, do: {:f, 32}, else: type))
+          opts = [lower: lower, left_side: left, transform_a: transform]
+          # Both solve in f64 and round once.
+          check(&Nx.LinAlg.triangular_solve(&1, &2, opts), [a, b], tol: {1.0e-5, 1.0e-6})
+        end
+
+        # A zero on the diagonal raises, as in Nx.
+        assert_raise ArgumentError, "can't solve for singular matrix", fn ->
+          Nx.LinAlg.triangular_solve(Nx.tensor([[1.0, 0.0], [2.0, 0.0]]), Nx.tensor([1.0, 2.0]))
+        end
+      end
+
+      test "qr, eigh and determinant follow Nx's conventions" do
+        for type <- [{:f, 32}, {:f, 64}],
+            shape <- [{3, 3}, {4, 2}, {2, 4}, {2, 3, 3}, {1, 1}, {1, 3}] do
+          tol = if type == {:f, 32}, do: {1.0e-4, 1.0e-4}, else: {1.0e-9, 1.0e-9}
+          t = O.tensor(shape, type)
+          # Signs: R's diagonal non-negative where Nx reflects, the input's where it
+          # does not (already upper triangular columns, the last one of a square or
+          # wide matrix).
+          check(&Nx.LinAlg.qr/1, [t], tol: tol)
+          check(&Nx.LinAlg.qr/1, [Nx.multiply(Nx.triu(t), -1)], tol: tol)
+          check(&Nx.LinAlg.qr(&1, mode: :complete), [t], tol: tol)
+        end
+
+        for type <- [{:f, 32}, {:f, 64}], n <- [2, 3, 5] do
+          m = O.tensor({n, n}, type)
+
+          spd =
+            Nx.add(Nx.dot(m, Nx.transpose(m)), Nx.eye(n, type: type, backend: Nx.BinaryBackend))
+
+          # Eigenvalues by decreasing magnitude (eigenvector signs are not unique).
+          {vals, _} = Nx.LinAlg.eigh(O.emily(spd))
+          {expected, _} = Nx.LinAlg.eigh(spd, eps: 1.0e-10)
+          assert_same(vals, expected, tol: {1.0e-3, 1.0e-3})
+          # LU-based past 3x3 (MLX's det goes through f32-accurate exp on f64).
+          check(&Nx.LinAlg.determinant/1, [m],
+            tol: if(type == {:f, 64}, do: {1.0e-12, 1.0e-12}, else: {1.0e-4, 1.0e-4})
+          )
         end
       end
 

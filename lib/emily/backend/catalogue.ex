@@ -12,5 +12,5 @@ defmodule Emily.Backend.Catalogue do
   def reason(op), do: Map.get(@reasons, op, "no native path yet")
 
   @doc "Ops whose MLX CPU kernels have only f32 accuracy on f64 (these fall back on f64)."
-  def f64_imprecise, do: [:exp, :sin, :cos, :erf, :erfc, :erf_inv, :sigmoid]
+  def f64_imprecise, do: [:exp, :sin, :cos, :erf, :erfc, :sigmoid]
 end
