@@ -547,6 +547,73 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    ## reduce and window_reduce
+    #
+    # Both take an Elixir function of (element, accumulator), which Nx.BinaryBackend calls
+    # once per element. Emily traces it once with Nx.Defn.Expr parameters: where it is one
+    # of Nx.add/2, Nx.multiply/2, Nx.max/2 or Nx.min/2 of the two (either order), the
+    # reduction is MLX's, combined with the accumulator (and, for window_reduce, padded
+    # with it, as Nx pads). Any other function falls back.
+
+    @traced %{
+      add: {:sum, :window_sum, :add},
+      multiply: {:prod, :window_product, :multiply},
+      max: {:max, :window_max, :maximum},
+      min: {:min, :window_min, :minimum}
+    }
+
+    defp n_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, opts, fun) do
+      case traced(fun, t.type, acc.type) do
+        {reduce, _window, combine} ->
+          s = stream([t, acc], type)
+          axes = reduce_axes(t, opts[:axes])
+          x = apply(N, reduce, [s, ref(t, s, type), axes, opts[:keep_axes] || false])
+          x = apply(N, combine, [s, N.astype(s, x, type), ref(acc, s, type)])
+          wrap(x, out, s)
+
+        nil ->
+          fallback(:reduce, [out, t, acc, opts, fun])
+      end
+    end
+
+    defp n_window_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, window, opts, fun) do
+      case traced(fun, t.type, acc.type) do
+        {_reduce, op, combine} ->
+          # (Nx pads with the accumulator, in the two types merged.)
+          padded = Nx.Type.merge(t.type, acc.type)
+          s = stream([t, acc], padded)
+          init = ref(acc, s, padded)
+          {lo, hi} = Enum.unzip(opts[:padding])
+          zeros = List.duplicate(0, tuple_size(window))
+          x = N.pad(s, ref(t, s, padded), init, lo, hi, zeros)
+          args = [Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
+          x = apply(N, op, [s, x | args])
+          wrap(N.astype(s, apply(N, combine, [s, x, init]), type), out, s)
+
+        nil ->
+          fallback(:window_reduce, [out, t, acc, window, opts, fun])
+      end
+    end
+
+    defp traced(fun, type, acc_type) do
+      a = Nx.Defn.Expr.parameter(:emily, type, {}, 0)
+      b = Nx.Defn.Expr.parameter(:emily, acc_type, {}, 1)
+
+      case fun.(a, b) do
+        %T{data: %Nx.Defn.Expr{op: op, args: [x, y]}} when is_map_key(@traced, op) ->
+          if Enum.sort([parameter(x), parameter(y)]) == [0, 1], do: Map.fetch!(@traced, op)
+
+        _ ->
+          nil
+      end
+    rescue
+      # (A function that does more than Nx ops on its arguments, e.g. reads a number.)
+      _ -> nil
+    end
+
+    defp parameter(%T{data: %Nx.Defn.Expr{op: :parameter, args: [i]}}), do: i
+    defp parameter(_), do: nil
+
     ## Elementwise binary ops
 
     @arith %{

@@ -628,10 +628,34 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
-      test "reduce and window_reduce (Elixir functions: fallback)" do
-        t = O.tensor({4, 5}, {:f, 32}, :small)
-        check(&Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end), [t])
-        check(&Nx.window_reduce(&1, 0, {2, 2}, fn a, b -> Nx.max(a, b) end), [t])
+      test "reduce and window_reduce: one op of the two arguments natively, else fallback" do
+        funs = [
+          &Nx.add/2,
+          fn x, acc -> Nx.multiply(acc, x) end,
+          &Nx.max/2,
+          fn x, acc -> Nx.min(acc, x) end,
+          # Not one op of the two arguments: Nx.BinaryBackend calls it per element.
+          fn x, acc -> Nx.add(Nx.multiply(x, 2), acc) end,
+          fn x, acc -> if Nx.to_number(x) > 0, do: Nx.add(x, acc), else: acc end
+        ]
+
+        # (Nx.BinaryBackend's window_reduce passes plain numbers to the function, which
+        # then returns s32 or f32 tensors it cannot write as u8: u8 for reduce only, with
+        # the functions that keep the type.)
+        for {fun, i} <- Enum.with_index(funs),
+            type <- if(i < 4, do: [{:s, 32}, {:f, 32}, {:u, 8}], else: [{:s, 32}, {:f, 32}]) do
+          domain = if fun == (&Nx.add/2), do: :small, else: {:range, 0, 2}
+          t = O.tensor({3, 4}, type, domain)
+          acc = Nx.tensor(Enum.random(0..2), type: type, backend: Nx.BinaryBackend)
+          check(&Nx.reduce(&1, &2, fun), [t, acc])
+          check(&Nx.reduce(&1, &2, [axes: [1], keep_axes: true], fun), [t, acc])
+
+          if type != {:u, 8} do
+            opts = [strides: [1, 2], padding: [{1, 0}, {0, 2}], window_dilations: [2, 1]]
+            check(&Nx.window_reduce(&1, &2, {2, 2}, opts, fun), [t, acc])
+            check(&Nx.window_reduce(&1, &2, {3, 1}, fun), [t, acc])
+          end
+        end
       end
 
       test "cumulative ops, top_k, logical_not, all_close" do
@@ -968,8 +992,8 @@ if Code.ensure_loaded?(Nx) do
           {pid, ref}
         )
 
-        # (reduce applies an Elixir function to each element: it always falls back.)
-        sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end)
+        # (A reduce function that is not one op of its two arguments falls back.)
+        sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(Nx.multiply(a, 1), b) end)
 
         try do
           assert Nx.to_number(sum.(Nx.tensor([3, 1, 2]))) == 6
@@ -992,7 +1016,7 @@ if Code.ensure_loaded?(Nx) do
         previous = Application.get_env(:emily, :fallback)
 
         try do
-          sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end)
+          sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(Nx.multiply(a, 1), b) end)
           Application.put_env(:emily, :fallback, :raise)
 
           assert_raise ArgumentError, ~r/no native path for reduce on s32\{3\}, s32\{\}/, fn ->
@@ -1011,9 +1035,10 @@ if Code.ensure_loaded?(Nx) do
       end
 
       test "pins the default backend to BinaryBackend while delegating" do
-        # BinaryBackend's conv builds tensors on the default backend internally.
+        # BinaryBackend's window_reduce builds tensors on the default backend internally.
         Nx.default_backend({Emily.Backend, device: :cpu})
-        out = Nx.conv(Nx.iota({1, 1, 4}, type: :f32), Nx.iota({1, 1, 2}, type: :f32))
+        fun = fn a, b -> Nx.add(Nx.multiply(a, 2), b) end
+        out = Nx.window_reduce(Nx.iota({1, 1, 4}, type: :f32), 0, {1, 1, 2}, fun)
         assert %Emily.Backend{} = out.data
         assert Nx.default_backend() == {Emily.Backend, [device: :cpu]}
       end

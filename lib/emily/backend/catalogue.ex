@@ -3,10 +3,7 @@ defmodule Emily.Backend.Catalogue do
   # Why an Nx.Backend callback has no native path in Emily.Backend (which falls back to
   # Nx.BinaryBackend for every callback without an `n_<op>`), for its documentation.
 
-  @reasons %{
-    reduce: "applies an Elixir function to each element: no MLX equivalent",
-    window_reduce: "applies an Elixir function to each window: no MLX equivalent"
-  }
+  @reasons %{}
 
   @doc "Why `op` falls back."
   def reason(op), do: Map.get(@reasons, op, "no native path yet")
