@@ -338,10 +338,9 @@ if Code.ensure_loaded?(Nx) do
       wrap(convert(s, ref(t, s), from, to), out, s)
     end
 
-    defp n_bitcast(%T{type: to, shape: shape} = out, %T{} = t) do
+    defp n_bitcast(%T{type: to} = out, %T{} = t) do
       s = stream([t], to)
-      bin = Emily.to_binary(ref(t, s))
-      wrap(N.from_binary(s, bin, shape, to), out, s)
+      wrap(N.view(s, ref(t, s), to), out, s)
     end
 
     defp n_reshape(%T{shape: shape} = out, %T{} = t) do
@@ -880,36 +879,27 @@ if Code.ensure_loaded?(Nx) do
       rank = tuple_size(window)
       {lo, hi} = Enum.unzip(opts[:padding])
       zeros = List.duplicate(0, rank)
-      x = ref(t, s)
+      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
+
+      # (An integer tensor with a float init value compares in floating point.)
+      pad_type =
+        case {t.type, init.type} do
+          {{k, _}, {f, _}} when k in [:u, :s] and f in [:f, :bf] ->
+            Nx.Type.merge_number(t.type, 0.0)
+
+          _ ->
+            t.type
+        end
 
       x =
-        if Enum.all?(opts[:padding], &(&1 == {0, 0})) do
-          x
-        else
-          # An integer tensor with a float init value compares in floating point.
-          pad_type =
-            case {t.type, init.type} do
-              {{k, _}, {f, _}} when k in [:u, :s] and f in [:f, :bf] ->
-                Nx.Type.merge_number(t.type, 0.0)
-
-              _ ->
-                t.type
-            end
-
-          N.pad(s, ref(t, s, pad_type), ref(init, s, pad_type), lo, hi, zeros)
-        end
+        if padded?,
+          do: N.pad(s, ref(t, s, pad_type), ref(init, s, pad_type), lo, hi, zeros),
+          else: ref(t, s)
 
       args = [s, x, ref(source, s, type), ref(init, s, type), Tuple.to_list(window)]
       y = apply(N, op, args ++ [opts[:strides], zeros, zeros])
-
-      y =
-        if Enum.all?(opts[:padding], &(&1 == {0, 0})) do
-          y
-        else
-          stops = Enum.zip_with(lo, Tuple.to_list(t.shape), &(&1 + &2))
-          N.slice(s, y, lo, stops, List.duplicate(1, rank))
-        end
-
+      stops = Enum.zip_with(lo, Tuple.to_list(t.shape), &(&1 + &2))
+      y = if padded?, do: N.slice(s, y, lo, stops, List.duplicate(1, rank)), else: y
       wrap(y, out, s)
     end
 
