@@ -1,5 +1,8 @@
 if Code.ensure_loaded?(Nx) do
   defmodule Emily.Backend do
+    # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: f64 falls back.
+    @f64_imprecise [:exp, :sin, :cos, :erf, :erfc, :sigmoid]
+
     @moduledoc """
     An `Nx.Backend` on MLX: Nx tensors held in MLX arrays, Nx ops run as MLX ops.
 
@@ -41,21 +44,39 @@ if Code.ensure_loaded?(Nx) do
     and `config :emily, :fallback, :silent | :warn | :raise` chooses whether it also logs
     a warning or raises instead (default `:silent`).
 
-    `fallbacks/0` lists the ops that fall back for every type, each with the reason.
-    Every op on u2/u4/s2/s4, f8, f8_e4m3fn or c128 tensors falls back as well, and so do
-    #{Enum.map_join(Emily.Backend.Catalogue.f64_imprecise(), ", ", &"`#{&1}`")} on f64
-    (MLX's CPU kernels compute them with f32 accuracy).
+    Every callback has a native path (`fallbacks/0` lists those without one). What still
+    falls back:
 
-    Native paths that need the newer op-table rows (index, sort, scan, window, conv, FFT
-    and linalg families) are compiled in where the table has those rows: `gather`,
-    `indexed_add`/`indexed_put`, `sort`/`argsort`, `window_scatter_*` (unpadded; Nx pads
-    with the init value, which the native op never selects), real `conv`, real
-    `triangular_solve`, `fft`/`ifft`, and `block/4` for `Nx.Block.Take`,
-    `TakeAlongAxis`, `TopK`, `Cumulative{Sum,Product,Min,Max}`, `FFT2`, `IFFT2`, `RFFT`,
-    `IRFFT` and `LinAlg.{Cholesky, Solve, QR (reduced), Eigh, SVD, LU, Determinant}`
-    (on a CPU worker: MLX's linalg is CPU-only). `block/4` is always native for
-    `Nx.Block.LogicalNot` and `Nx.Block.Phase` (complex input). Other `Nx.Block` structs
-    run their default implementation, made of Nx ops that run on this backend.
+      * every op on u2/u4/s2/s4, f8, f8_e4m3fn or c128 tensors (sub-byte tensors are
+        packed and unpacked on the device, but computed on by the fallback);
+      * #{Enum.map_join(@f64_imprecise, ", ", &"`#{&1}`")} on f64: MLX's CPU kernels
+        compute these with f32 accuracy (relative errors of 5e-8 to 5e-7 against libm
+        on f64 inputs, MLX 0.32), where Nx.BinaryBackend is accurate to the last bit;
+        `erfc` is composed of `exp`. (`erf_inv` does not fall back: Nx.BinaryBackend's
+        is itself a single-precision formula evaluated in f64, and Emily evaluates the
+        same one in f64 on the CPU, bit for bit);
+      * `reduce` and `window_reduce` when their function is not one `Nx.add/2`,
+        `Nx.multiply/2`, `Nx.max/2` or `Nx.min/2` of its two arguments (the function is
+        traced once with `Nx.Defn.Expr` parameters to find out).
+
+    ## Blocks
+
+    `block/4` is native for `Nx.Block.Take`, `TakeAlongAxis`, `TopK`,
+    `Cumulative{Sum,Product,Min,Max}`, `LogicalNot`, `Phase`, `AllClose` (f32, f64),
+    `FFT2`, `IFFT2`, `RFFT`, `IRFFT`, and for f32/f64 inputs `LinAlg.{Cholesky, Solve,
+    QR, Eigh, SVD, LU, Determinant}` (eigh and svd also c64; QR's `:complete` mode for
+    `m <= n`); other structs and input types run the block's default implementation, Nx
+    ops that run on this backend.
+
+    ## Linear algebra
+
+    LAPACK through MLX, on a CPU worker (MLX's linalg is CPU-only), in the input's type.
+    Results follow Nx's conventions: QR's signs are those of Nx's Householder QR (R's
+    diagonal non-negative where Nx reflects a column), eigenvalues come by decreasing
+    magnitude, entries within the block's `eps` of zero are zeroed as Nx does, and the
+    determinant past 3x3 comes from the LU (MLX's goes through `exp`). `triangular_solve`
+    computes in f64 (as Nx.BinaryBackend does), complex inputs too, and raises on a zero
+    on the diagonal, as Nx does.
 
     ## Not supported
 
@@ -75,7 +96,7 @@ if Code.ensure_loaded?(Nx) do
 
     alias Nx.Tensor, as: T
     alias Emily.Backend, as: B
-    alias Emily.Backend.{Catalogue, Fallback, Storage}
+    alias Emily.Backend.{Fallback, Storage}
     alias Emily.Native, as: N
 
     @check? Application.compile_env(:emily, :check_shape_and_type, false)
@@ -86,27 +107,6 @@ if Code.ensure_loaded?(Nx) do
     # at the end of this module: it calls `n_<op>` (the native path) where that private
     # function exists, else it falls back to Nx.BinaryBackend. Giving an op a native path
     # is writing its `n_<op>`.
-
-    # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: f64 falls back.
-    @f64_imprecise Emily.Backend.Catalogue.f64_imprecise()
-
-    # `Catalogue.row?(name, args)`: whether the op table has a row `name` taking exactly
-    # `args`. The native paths that need newer rows are compiled in only where it does.
-    @fft? Catalogue.row?(:fft, [:a, :n, :axis]) and Catalogue.row?(:ifft, [:a, :n, :axis])
-    @fft_blocks? Catalogue.row?(:fft2, [:a, :n, :axes]) and
-                   Catalogue.row?(:ifft2, [:a, :n, :axes]) and
-                   Catalogue.row?(:rfft, [:a, :n, :axis]) and
-                   Catalogue.row?(:irfft, [:a, :n, :axis])
-    @triangular? Catalogue.row?(:solve_triangular, [:a, :b, :upper])
-    @scans? Enum.all?(
-              [:cumsum, :cumprod, :cummin, :cummax],
-              &Catalogue.row?(&1, [:a, :axis, :reverse, :inclusive])
-            )
-    @linalg? Enum.all?(
-               [cholesky: [:a, :upper], solve: [:a, :b], qr: [:a], eigh: [:a, :uplo], svd: [:a]] ++
-                 [lu: [:a], det: [:a]],
-               fn {name, args} -> Catalogue.row?(name, args) end
-             )
 
     defp native_type?(%T{type: type}), do: Storage.native?(type)
 
@@ -125,8 +125,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp from_binary_backend(%T{type: type, shape: shape} = t, s) do
-      bin = t |> Nx.BinaryBackend.to_binary(Nx.size(shape)) |> Storage.from_nx_binary(type)
-      ref = N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type))
+      ref = from_nx_binary(s, Nx.BinaryBackend.to_binary(t, Nx.size(shape)), type, shape)
       wrap(ref, t, s)
     end
 
@@ -167,8 +166,7 @@ if Code.ensure_loaded?(Nx) do
     def from_binary(%T{type: type, shape: shape} = out, binary, opts) do
       s = creation_stream(opts, type)
       binary = if is_list(binary), do: :erlang.list_to_bitstring(binary), else: binary
-      bin = Storage.from_nx_binary(binary, type)
-      wrap(N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type)), out, s)
+      wrap(from_nx_binary(s, binary, type, shape), out, s)
     end
 
     @impl true
@@ -224,9 +222,28 @@ if Code.ensure_loaded?(Nx) do
     ## Conversion and transfer
 
     @impl true
+    def to_binary(%T{data: %B{ref: ref, stream: s}, type: {_, bits}} = t, limit) when bits < 8 do
+      # Packed on the device, as Nx lays sub-byte types out: a bitstring.
+      n = min(limit, Nx.size(t)) * bits
+      <<packed::bitstring-size(^n), _::bitstring>> = Emily.to_binary(N.pack_bits(s, ref, bits))
+      packed
+    end
+
     def to_binary(%T{data: %B{ref: ref}, type: type}, limit) do
       ref |> Emily.to_binary() |> Storage.to_nx_binary(type, limit)
     end
+
+    # Data in Nx's layout into an MLX array on `s`: sub-byte types arrive packed (a
+    # bitstring) and are unpacked on the device, one element per byte.
+    defp from_nx_binary(s, bin, {kind, bits}, shape) when bits < 8 do
+      pad = rem(8 - rem(bit_size(bin), 8), 8)
+      bytes = <<bin::bitstring, 0::size(pad)>>
+      packed = N.from_binary(s, bytes, {byte_size(bytes)}, {:u, 8})
+      N.reshape(s, N.unpack_bits(s, packed, bits, kind == :s, Nx.size(shape)), shape)
+    end
+
+    defp from_nx_binary(s, bin, type, shape),
+      do: N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type))
 
     @impl true
     def backend_copy(%T{data: %B{stream: ts}} = t, B, opts) do
@@ -296,7 +313,7 @@ if Code.ensure_loaded?(Nx) do
       size = elem(t.shape, 0)
       full = div(size, batch)
       remainder = rem(size, batch)
-      slice0 = fn from, len -> slice_axis(s, x, t.shape, 0, from, len) end
+      slice0 = fn from, len -> slice_axis(s, x, 0, from, len, tuple_size(t.shape)) end
 
       batches = Stream.map(0..(full - 1)//1, fn i -> wrap(slice0.(i * batch, batch), out, s) end)
 
@@ -321,10 +338,9 @@ if Code.ensure_loaded?(Nx) do
       wrap(convert(s, ref(t, s), from, to), out, s)
     end
 
-    defp n_bitcast(%T{type: to, shape: shape} = out, %T{} = t) do
+    defp n_bitcast(%T{type: to} = out, %T{} = t) do
       s = stream([t], to)
-      bin = Emily.to_binary(ref(t, s))
-      wrap(N.from_binary(s, bin, shape, to), out, s)
+      wrap(N.view(s, ref(t, s), to), out, s)
     end
 
     defp n_reshape(%T{shape: shape} = out, %T{} = t) do
@@ -367,19 +383,19 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_pad(%T{type: type} = out, %T{} = t, %T{} = value, config) do
       s = stream([t, value], type)
-      value = ref(value, s, type)
-      wrap(pad(s, ref(t, s, type), t.shape, value, config), out, s)
+      {lo, hi, interior} = unzip3(config)
+      wrap(N.pad(s, ref(t, s, type), ref(value, s, type), lo, hi, interior), out, s)
     end
 
-    defp n_reverse(out, %T{shape: shape} = t, axes) do
+    defp n_reverse(out, %T{} = t, axes) do
       s = stream([t], t.type)
-      wrap(reverse(s, ref(t, s), shape, axes), out, s)
+      wrap(N.flip(s, ref(t, s), axes), out, s)
     end
 
     ## Slicing, joining and selection
 
-    # Start indices may be tensors (a slice inside a defn loop, say). Where the op table
-    # has the dynamic slice rows they stay on the device; otherwise they are read.
+    # Start indices may be tensors (a slice inside a defn loop, say): they stay on the
+    # device, clamped there like Nx clamps them.
     defp n_slice(out, %T{shape: shape} = t, starts, lengths, strides) do
       s = stream([t], t.type)
       x = ref(t, s)
@@ -401,83 +417,45 @@ if Code.ensure_loaded?(Nx) do
 
     defp clamp_starts(shape, starts, lengths) do
       [Tuple.to_list(shape), starts, lengths]
-      |> Enum.zip_with(fn [dim, start, len] -> start |> to_index() |> clamp(dim - len) end)
+      |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
     end
 
     defp n_put_slice(%T{type: type} = out, %T{shape: shape} = t, starts, %T{} = update) do
       s = stream([t, update], type)
       x = ref(t, s, type)
+      u = ref(update, s, type)
 
       cond do
         Nx.size(update.shape) == 0 ->
           wrap(x, out, s)
 
         Enum.all?(starts, &is_integer/1) ->
-          wrap(static_put_slice(s, x, shape, starts, update, type), out, s)
+          lens = Tuple.to_list(update.shape)
+          starts = clamp_starts(shape, starts, lens)
+          stops = Enum.zip_with(starts, lens, &(&1 + &2))
+          ones = List.duplicate(1, tuple_size(shape))
+          wrap(N.slice_update(s, x, u, starts, stops, ones), out, s)
 
         true ->
-          wrap(dynamic_put_slice(s, x, shape, starts, update, type), out, s)
+          axes = Enum.to_list(0..(tuple_size(shape) - 1))
+          wrap(N.slice_update_dynamic(s, x, u, starts_tensor(s, starts), axes), out, s)
       end
     end
 
-    defp static_put_slice(s, x, shape, starts, update, type) do
-      lens = Tuple.to_list(update.shape)
-      starts = clamp_starts(shape, starts, lens)
-      put_slice(s, x, Tuple.to_list(shape), starts, lens, ref(update, s, type), 0)
+    defp dynamic_slice(s, x, shape, starts, lengths, strides) do
+      axes = Enum.to_list(0..(tuple_size(shape) - 1))
+      N.slice_dynamic(s, x, starts_tensor(s, starts), axes, lengths, strides)
     end
 
-    if Catalogue.row?(:slice_dynamic, [:a, :starts, :axes, :sizes, :strides]) and
-         Catalogue.row?(:slice_update_dynamic, [:a, :update, :starts, :axes]) do
-      defp dynamic_slice(s, x, shape, starts, lengths, strides) do
-        axes = Enum.to_list(0..(tuple_size(shape) - 1))
-        N.slice_dynamic(s, x, starts_tensor(s, starts), axes, lengths, strides)
-      end
+    # One s64 vector of the start indices, integers and scalar tensors alike.
+    defp starts_tensor(s, starts) do
+      parts =
+        Enum.map(starts, fn
+          i when is_integer(i) -> scalar(s, i, {:s, 64}, {1})
+          %T{} = t -> reshape(ref(t, s, {:s, 64}), s, {1})
+        end)
 
-      defp dynamic_put_slice(s, x, shape, starts, update, type) do
-        axes = Enum.to_list(0..(tuple_size(shape) - 1))
-        N.slice_update_dynamic(s, x, ref(update, s, type), starts_tensor(s, starts), axes)
-      end
-
-      # One s64 vector of the start indices, integers and scalar tensors alike.
-      defp starts_tensor(s, starts) do
-        parts =
-          Enum.map(starts, fn
-            i when is_integer(i) -> scalar(s, i, {:s, 64}, {1})
-            %T{} = t -> reshape(ref(t, s, {:s, 64}), s, {1})
-          end)
-
-        N.concatenate(s, parts, 0)
-      end
-    else
-      defp dynamic_slice(s, x, shape, starts, lengths, strides),
-        do: static_slice(s, x, shape, Enum.map(starts, &to_index/1), lengths, strides)
-
-      defp dynamic_put_slice(s, x, shape, starts, update, type),
-        do: static_put_slice(s, x, shape, Enum.map(starts, &to_index/1), update, type)
-    end
-
-    # Rebuilds `x` around the update one axis at a time: the part before the update's
-    # start, the middle (recursing into the next axis), the part after.
-    defp put_slice(_s, _x, [], [], [], u, _axis), do: u
-
-    defp put_slice(s, x, [dim | dims], [start | starts], [len | lens], u, axis) do
-      if start == 0 and len == dim do
-        put_slice(s, x, dims, starts, lens, u, axis + 1)
-      else
-        rank = axis + length(dims) + 1
-        full = fn from, n -> slice_axis_rank(s, x, axis, from, n, rank) end
-        middle = put_slice(s, full.(start, len), dims, starts, lens, u, axis + 1)
-
-        pieces =
-          [
-            if(start > 0, do: full.(0, start)),
-            middle,
-            if(start + len < dim, do: full.(start + len, dim - start - len))
-          ]
-          |> Enum.reject(&is_nil/1)
-
-        N.concatenate(s, pieces, axis)
-      end
+      N.concatenate(s, parts, 0)
     end
 
     defp n_concatenate(%T{type: type} = out, tensors, axis) do
@@ -487,8 +465,7 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_stack(%T{type: type} = out, tensors, axis) do
       s = stream(tensors, type)
-      refs = Enum.map(tensors, &N.expand_dims(s, ref(&1, s, type), [axis]))
-      wrap(N.concatenate(s, refs, axis), out, s)
+      wrap(N.stack(s, Enum.map(tensors, &ref(&1, s, type)), axis), out, s)
     end
 
     defp n_select(%T{type: type} = out, pred, on_true, on_false) do
@@ -500,8 +477,7 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_clip(%T{type: type} = out, %T{} = t, %T{} = min, %T{} = max) do
       s = stream([t, min, max], type)
-      x = N.maximum(s, ref(t, s, type), ref(min, s, type))
-      wrap(N.minimum(s, x, ref(max, s, type)), out, s)
+      wrap(N.clip(s, ref(t, s, type), ref(min, s, type), ref(max, s, type)), out, s)
     end
 
     ## Reductions
@@ -533,90 +509,127 @@ if Code.ensure_loaded?(Nx) do
     defp reduce_axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
     defp reduce_axes(_t, axes), do: axes
 
-    defp n_argmax(out, t, opts), do: arg_reduction(:argmax, out, t, opts)
-    defp n_argmin(out, t, opts), do: arg_reduction(:argmin, out, t, opts)
+    # Nx's tie_break: :high picks the last index among ties.
+    defp n_argmax(out, t, opts),
+      do:
+        arg_reduction(
+          if(opts[:tie_break] == :high, do: :argmax_last, else: :argmax),
+          out,
+          t,
+          opts
+        )
+
+    defp n_argmin(out, t, opts),
+      do:
+        arg_reduction(
+          if(opts[:tie_break] == :high, do: :argmin_last, else: :argmin),
+          out,
+          t,
+          opts
+        )
 
     defp arg_reduction(op, %T{type: type, shape: out_shape} = out, %T{shape: shape} = t, opts) do
       s = stream([t], type)
       x = ref(t, s)
 
-      {x, shape, axis} =
+      {x, axis} =
         case opts[:axis] do
-          nil -> {reshape(x, s, {Nx.size(shape)}), {Nx.size(shape)}, 0}
-          axis -> {x, shape, axis}
+          nil -> {reshape(x, s, {Nx.size(shape)}), 0}
+          axis -> {x, axis}
         end
 
-      high? = opts[:tie_break] == :high
-      x = if high?, do: reverse(s, x, shape, [axis]), else: x
-      idx = N.astype(s, apply(N, op, [s, x, axis, false]), type)
-
-      idx =
-        if high?,
-          do: N.subtract(s, scalar(s, elem(shape, axis) - 1, type, {}), idx),
-          else: idx
-
+      idx = N.astype(s, apply(N, op, [s, x, axis, opts[:keep_axis] || false]), type)
       wrap(reshape(idx, s, out_shape), out, s)
     end
 
     ## Window reductions
-    #
-    # A box window reduces one axis at a time (the reductions are associative), each
-    # axis as the combination of one strided slice per window position: sum(w_i) slices
-    # rather than prod(w_i).
 
-    defp n_window_sum(out, t, window, opts), do: window(:add, 0, out, t, window, opts)
-    defp n_window_product(out, t, window, opts), do: window(:multiply, 1, out, t, window, opts)
-    defp n_window_max(out, t, window, opts), do: window(:maximum, :min, out, t, window, opts)
-    defp n_window_min(out, t, window, opts), do: window(:minimum, :max, out, t, window, opts)
+    for op <- [:window_sum, :window_product, :window_max, :window_min] do
+      defp unquote(:"n_#{op}")(%T{type: type} = out, %T{} = t, window, opts) do
+        s = stream([t], type)
+        {lo, hi} = Enum.unzip(opts[:padding])
 
-    defp window(op, identity, %T{type: type, shape: out_shape} = out, t, window, opts) do
-      s = stream([t], type)
-      rank = tuple_size(t.shape)
-      strides = opts[:strides] || List.duplicate(1, rank)
-      padding = opts[:padding] || List.duplicate({0, 0}, rank)
-      dilations = opts[:window_dilations] || List.duplicate(1, rank)
+        x =
+          N.unquote(op)(
+            s,
+            ref(t, s, type),
+            Tuple.to_list(window),
+            opts[:strides],
+            lo,
+            hi,
+            opts[:window_dilations]
+          )
 
-      identity =
-        case identity do
-          :min -> N.from_binary(s, Nx.Type.min_binary(type), {}, type)
-          :max -> N.from_binary(s, Nx.Type.max_binary(type), {}, type)
-          n -> scalar(s, n, type, {})
-        end
-
-      axes =
-        Enum.zip([0..(rank - 1)//1, Tuple.to_list(window), strides, padding, dilations])
-
-      {x, _dims} =
-        Enum.reduce(axes, {ref(t, s, type), Tuple.to_list(t.shape)}, fn
-          {_axis, 1, 1, {0, 0}, _}, acc ->
-            acc
-
-          {axis, w, stride, {lo, hi}, dilation}, {x, dims} ->
-            {x, dims} = pad_edge(s, x, dims, axis, lo, identity, :low)
-            {x, dims} = pad_edge(s, x, dims, axis, hi, identity, :high)
-            n = elem(out_shape, axis)
-
-            positions =
-              for k <- 0..(w - 1) do
-                start = k * dilation
-
-                slice_axis_strided(
-                  s,
-                  x,
-                  axis,
-                  start,
-                  start + max(n - 1, 0) * stride + 1,
-                  stride,
-                  rank
-                )
-              end
-
-            x = Enum.reduce(tl(positions), hd(positions), &apply(N, op, [s, &2, &1]))
-            {x, List.replace_at(dims, axis, n)}
-        end)
-
-      wrap(x, out, s)
+        wrap(x, out, s)
+      end
     end
+
+    ## reduce and window_reduce
+    #
+    # Both take an Elixir function of (element, accumulator), which Nx.BinaryBackend calls
+    # once per element. Emily traces it once with Nx.Defn.Expr parameters: where it is one
+    # of Nx.add/2, Nx.multiply/2, Nx.max/2 or Nx.min/2 of the two (either order), the
+    # reduction is MLX's, combined with the accumulator (and, for window_reduce, padded
+    # with it, as Nx pads). Any other function falls back.
+
+    @traced %{
+      add: {:sum, :window_sum, :add},
+      multiply: {:prod, :window_product, :multiply},
+      max: {:max, :window_max, :maximum},
+      min: {:min, :window_min, :minimum}
+    }
+
+    defp n_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, opts, fun) do
+      case traced(fun, t.type, acc.type) do
+        {reduce, _window, combine} ->
+          s = stream([t, acc], type)
+          axes = reduce_axes(t, opts[:axes])
+          x = apply(N, reduce, [s, ref(t, s, type), axes, opts[:keep_axes] || false])
+          x = apply(N, combine, [s, N.astype(s, x, type), ref(acc, s, type)])
+          wrap(x, out, s)
+
+        nil ->
+          fallback(:reduce, [out, t, acc, opts, fun])
+      end
+    end
+
+    defp n_window_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, window, opts, fun) do
+      case traced(fun, t.type, acc.type) do
+        {_reduce, op, combine} ->
+          # (Nx pads with the accumulator, in the two types merged.)
+          padded = Nx.Type.merge(t.type, acc.type)
+          s = stream([t, acc], padded)
+          init = ref(acc, s, padded)
+          {lo, hi} = Enum.unzip(opts[:padding])
+          zeros = List.duplicate(0, tuple_size(window))
+          x = N.pad(s, ref(t, s, padded), init, lo, hi, zeros)
+          args = [Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
+          x = apply(N, op, [s, x | args])
+          wrap(N.astype(s, apply(N, combine, [s, x, init]), type), out, s)
+
+        nil ->
+          fallback(:window_reduce, [out, t, acc, window, opts, fun])
+      end
+    end
+
+    defp traced(fun, type, acc_type) do
+      a = Nx.Defn.Expr.parameter(:emily, type, {}, 0)
+      b = Nx.Defn.Expr.parameter(:emily, acc_type, {}, 1)
+
+      case fun.(a, b) do
+        %T{data: %Nx.Defn.Expr{op: op, args: [x, y]}} when is_map_key(@traced, op) ->
+          if Enum.sort([parameter(x), parameter(y)]) == [0, 1], do: Map.fetch!(@traced, op)
+
+        _ ->
+          nil
+      end
+    rescue
+      # (A function that does more than Nx ops on its arguments, e.g. reads a number.)
+      _ -> nil
+    end
+
+    defp parameter(%T{data: %Nx.Defn.Expr{op: :parameter, args: [i]}}), do: i
+    defp parameter(_), do: nil
 
     ## Elementwise binary ops
 
@@ -637,10 +650,7 @@ if Code.ensure_loaded?(Nx) do
     }
 
     for {name, mlx} <- @arith do
-      defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
-        s = stream([l, r], type)
-        wrap(N.unquote(mlx)(s, ref(l, s, type), ref(r, s, type)), out, s)
-      end
+      defp unquote(:"n_#{name}")(out, l, r), do: binary(unquote(mlx), out, l, r)
     end
 
     @compare %{
@@ -673,66 +683,14 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # Nx's remainder truncates (the result has the dividend's sign, like `rem/2` and
-    # `fmod`); MLX's floors (the divisor's sign). They differ by one divisor where the
-    # result is nonzero and the signs differ.
-    defp n_remainder(%T{type: type} = out, l, r) do
+    # Nx's remainder has the dividend's sign and its quotient truncates; MLX's remainder
+    # and floor_divide floor. The table's fmod and trunc_divide are Nx's.
+    defp n_remainder(out, l, r), do: binary(:fmod, out, l, r)
+    defp n_quotient(out, l, r), do: binary(:trunc_divide, out, l, r)
+
+    defp binary(op, %T{type: type} = out, l, r) do
       s = stream([l, r], type)
-
-      case type do
-        # In half precision the sign fix-up below would round twice: work in f32.
-        {k, 16} when k in [:f, :bf] ->
-          a = ref(l, s, {:f, 32})
-          b = ref(r, s, {:f, 32})
-          wrap(N.astype(s, trunc_remainder(s, a, b, {:f, 32}), type), out, s)
-
-        _ ->
-          wrap(trunc_remainder(s, ref(l, s, type), ref(r, s, type), type), out, s)
-      end
-    end
-
-    defp trunc_remainder(s, a, b, {:u, _} = _type), do: N.remainder(s, a, b)
-
-    defp trunc_remainder(s, a, b, type) do
-      r = N.remainder(s, a, b)
-      zero = scalar(s, 0, type, {})
-
-      fix =
-        N.logical_and(
-          s,
-          N.not_equal(s, r, zero),
-          N.not_equal(s, N.less(s, r, zero), N.less(s, a, zero))
-        )
-
-      N.where(s, fix, N.subtract(s, r, b), r)
-    end
-
-    # Nx's quotient truncates toward zero; MLX's floor_divide floors.
-    defp n_quotient(%T{type: type} = out, l, r) do
-      s = stream([l, r], type)
-      a = ref(l, s, type)
-      b = ref(r, s, type)
-      q = N.floor_divide(s, a, b)
-
-      q =
-        case type do
-          {:u, _} ->
-            q
-
-          _ ->
-            zero = scalar(s, 0, type, {})
-
-            inexact =
-              N.logical_and(
-                s,
-                N.not_equal(s, N.remainder(s, a, b), zero),
-                N.not_equal(s, N.less(s, a, zero), N.less(s, b, zero))
-              )
-
-            N.where(s, inexact, N.add(s, q, scalar(s, 1, type, {})), q)
-        end
-
-      wrap(q, out, s)
+      wrap(apply(N, op, [s, ref(l, s, type), ref(r, s, type)]), out, s)
     end
 
     ## Elementwise unary ops
@@ -758,7 +716,11 @@ if Code.ensure_loaded?(Nx) do
       sqrt: :sqrt,
       rsqrt: :rsqrt,
       erf: :erf,
-      erf_inv: :erfinv,
+      erfc: :erfc,
+      cbrt: :cbrt,
+      round: :round_half_away,
+      population_count: :population_count,
+      count_leading_zeros: :count_leading_zeros,
       bitwise_not: :bitwise_invert,
       negate: :negative,
       sign: :sign
@@ -771,31 +733,37 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    defp n_erfc(%T{type: type} = out, %T{} = t) do
+    # Nx.BinaryBackend's erf_inv is Giles' single-precision approximation evaluated in
+    # f64 (Complex.erf_inv) and rounded once. Where the stream computes f64 (the CPU),
+    # Emily evaluates the same formula the same way, so both agree to the last bit, on
+    # f64 too (whose MLX erfinv has f32 accuracy). A GPU runs MLX's erfinv in f32.
+    @erf_inv_small [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06] ++
+                     [0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941]
+    @erf_inv_large [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844] ++
+                     [0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
+
+    defp n_erf_inv(%T{type: type} = out, %T{} = t) do
       s = stream([t], type)
-      x = N.erf(s, ref(t, s, type))
-      wrap(N.subtract(s, scalar(s, 1, type, {}), x), out, s)
-    end
 
-    # MLX has no cube root: pow(|x|, 1/3) with the sign put back, then one Newton step,
-    # which brings exact cubes back to their integer roots.
-    defp n_cbrt(%T{type: type} = out, %T{} = t) do
-      s = stream([t], type)
-      x = ref(t, s, type)
-      y = N.power(s, N.abs(s, x), scalar(s, 1 / 3, type, {}))
-      y = N.multiply(s, N.sign(s, x), y)
-      y2 = N.multiply(s, y, y)
+      if Emily.Stream.device(s) == :cpu do
+        f64 = {:f, 64}
+        c = &scalar(s, &1, f64, {})
+        z = ref(t, s, f64)
+        w = N.negative(s, N.log(s, N.multiply(s, N.subtract(s, c.(1), z), N.add(s, c.(1), z))))
 
-      step =
-        N.divide(
-          s,
-          N.subtract(s, N.multiply(s, y2, y), x),
-          N.multiply(s, scalar(s, 3, type, {}), y2)
-        )
+        horner = fn coeffs, x ->
+          Enum.reduce(tl(coeffs), c.(hd(coeffs)), &N.add(s, N.multiply(s, &2, x), c.(&1)))
+        end
 
-      refined = N.subtract(s, y, step)
-      ok = N.logical_and(s, N.isfinite(s, refined), N.not_equal(s, y, scalar(s, 0, type, {})))
-      wrap(N.where(s, ok, refined, y), out, s)
+        small = horner.(@erf_inv_small, N.subtract(s, w, c.(2.5)))
+        large = horner.(@erf_inv_large, N.subtract(s, N.sqrt(s, w), c.(3)))
+        x = N.multiply(s, N.where(s, N.less(s, w, c.(5)), small, large), z)
+        x = N.where(s, N.equal(s, z, c.(1)), c.(:infinity), x)
+        x = N.where(s, N.equal(s, z, c.(-1)), c.(:neg_infinity), x)
+        wrap(N.astype(s, x, type), out, s)
+      else
+        wrap(N.erfinv(s, ref(t, s, type)), out, s)
+      end
     end
 
     defp n_abs(%T{type: type} = out, %T{type: in_type} = t) do
@@ -817,25 +785,6 @@ if Code.ensure_loaded?(Nx) do
           {k, _} when k in [:u, :s] -> wrap(x, out, s)
           _ -> wrap(N.unquote(mlx)(s, x), out, s)
         end
-      end
-    end
-
-    # Nx rounds half away from zero; MLX rounds half to even. Ties get the truncated
-    # value plus the sign.
-    defp n_round(%T{type: type} = out, %T{} = t) do
-      s = stream([t], type)
-      x = ref(t, s, type)
-
-      case type do
-        {k, _} when k in [:u, :s] ->
-          wrap(x, out, s)
-
-        _ ->
-          r = N.round(s, x, 0)
-          zero = scalar(s, 0, type, {})
-          trunc = N.where(s, N.less(s, x, zero), N.ceil(s, x), N.floor(s, x))
-          tie = N.equal(s, N.abs(s, N.subtract(s, x, trunc)), scalar(s, 0.5, type, {}))
-          wrap(N.where(s, tie, N.add(s, trunc, N.sign(s, x)), r), out, s)
       end
     end
 
@@ -873,287 +822,222 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # Bit counts on the unsigned view of the bits (MLX's right shift of a signed value is
-    # arithmetic).
-    defp n_population_count(%T{type: {_, bits} = type} = out, %T{} = t) do
-      s = stream([t], type)
-      u = {:u, bits}
-      x = N.astype(s, ref(t, s, type), u)
-      c = fn v -> scalar(s, v, u, {}) end
-      mask = fn byte -> Enum.reduce(1..div(bits, 8), 0, fn _, acc -> acc * 256 + byte end) end
-      x = N.subtract(s, x, N.bitwise_and(s, N.right_shift(s, x, c.(1)), c.(mask.(0x55))))
-
-      x =
-        N.add(
-          s,
-          N.bitwise_and(s, x, c.(mask.(0x33))),
-          N.bitwise_and(s, N.right_shift(s, x, c.(2)), c.(mask.(0x33)))
-        )
-
-      x = N.bitwise_and(s, N.add(s, x, N.right_shift(s, x, c.(4))), c.(mask.(0x0F)))
-
-      x =
-        if bits > 8,
-          do: N.right_shift(s, N.multiply(s, x, c.(mask.(0x01))), c.(bits - 8)),
-          else: x
-
-      wrap(N.astype(s, x, type), out, s)
-    end
-
-    defp n_count_leading_zeros(%T{type: {_, bits} = type} = out, %T{} = t) do
-      s = stream([t], type)
-      u = {:u, bits}
-      x = N.astype(s, ref(t, s, type), u)
-      zero = scalar(s, 0, u, {})
-
-      {n, x} =
-        bits
-        |> shifts()
-        |> Enum.reduce({scalar(s, bits, u, {}), x}, fn shift, {n, x} ->
-          y = N.right_shift(s, x, scalar(s, shift, u, {}))
-          nonzero = N.not_equal(s, y, zero)
-
-          {N.where(s, nonzero, N.subtract(s, n, scalar(s, shift, u, {})), n),
-           N.where(s, nonzero, y, x)}
-        end)
-
-      wrap(N.astype(s, N.subtract(s, n, x), type), out, s)
-    end
-
-    defp shifts(1), do: []
-    defp shifts(bits), do: [div(bits, 2) | shifts(div(bits, 2))]
-
     ## Linear algebra
 
-    defp n_dot(%T{type: type, shape: out_shape} = out, l, cl, bl, r, cr, br) do
+    # The table's dot is Nx's dot/7 (batch axes, then each side's free axes); MLX's
+    # matmul being floating point only, integer dots multiply and sum, wrapping like Nx.
+    defp n_dot(%T{type: type} = out, l, cl, bl, r, cr, br) do
       s = stream([l, r], type)
-      a = ref(l, s, type)
-      b = ref(r, s, type)
-      fl = free_axes(l, cl, bl)
-      fr = free_axes(r, cr, br)
-      a = permute(s, a, l.shape, bl ++ fl ++ cl)
-      b = permute(s, b, r.shape, br ++ cr ++ fr)
-      batch = dims_product(l.shape, bl)
-      m = dims_product(l.shape, fl)
-      k = dims_product(l.shape, cl)
-      n = dims_product(r.shape, fr)
-
-      result =
-        case type do
-          {kind, _} when kind in [:u, :s] ->
-            # MLX's matmul is floating point only: integer dots multiply and sum, exactly
-            # (wrapping like Nx's).
-            a = reshape(a, s, {batch, m, k, 1})
-            b = reshape(b, s, {batch, 1, k, n})
-            # (MLX sums narrow integers into 32 bits.)
-            N.astype(s, N.sum(s, N.multiply(s, a, b), [2], false), type)
-
-          _ when bl == [] ->
-            N.matmul(s, reshape(a, s, {m, k}), reshape(b, s, {k, n}))
-
-          _ ->
-            N.matmul(s, reshape(a, s, {batch, m, k}), reshape(b, s, {batch, k, n}))
-        end
-
-      wrap(reshape(result, s, out_shape), out, s)
+      wrap(N.dot(s, ref(l, s, type), cl, bl, ref(r, s, type), cr, br), out, s)
     end
-
-    defp free_axes(%T{shape: shape}, contract, batch) do
-      for axis <- 0..(tuple_size(shape) - 1)//1, axis not in contract, axis not in batch, do: axis
-    end
-
-    defp dims_product(shape, axes), do: Enum.reduce(axes, 1, &(elem(shape, &1) * &2))
 
     ## Native paths over the full op table
     #
     # Each of these is compiled in when the op table has the rows it calls (see `row?/2`
     # at the top), and the callback falls back to Nx.BinaryBackend otherwise.
 
-    if Catalogue.row?(:gather, [:a, :indices, :axes]) do
-      defp n_gather(%T{type: type} = out, t, indices, opts) do
-        s = stream([t, indices], type)
-        wrap(N.gather(s, ref(t, s), ref(indices, s), opts[:axes]), out, s)
-      end
+    defp n_gather(%T{type: type} = out, t, indices, opts) do
+      s = stream([t, indices], type)
+      wrap(N.gather(s, ref(t, s), ref(indices, s), opts[:axes]), out, s)
     end
 
-    if Catalogue.row?(:scatter, [:a, :indices, :updates, :axes]) and
-         Catalogue.row?(:scatter_add, [:a, :indices, :updates, :axes]) do
-      defp n_indexed_put(out, t, indices, updates, opts),
-        do: scatter(:scatter, out, t, indices, updates, opts)
+    defp n_indexed_put(out, t, indices, updates, opts),
+      do: scatter(:scatter, out, t, indices, updates, opts)
 
-      defp n_indexed_add(out, t, indices, updates, opts),
-        do: scatter(:scatter_add, out, t, indices, updates, opts)
+    defp n_indexed_add(out, t, indices, updates, opts),
+      do: scatter(:scatter_add, out, t, indices, updates, opts)
 
-      defp scatter(op, %T{type: type} = out, t, indices, updates, opts) do
-        s = stream([t, indices, updates], type)
-        args = [s, ref(t, s, type), ref(indices, s), ref(updates, s, type), opts[:axes]]
-        wrap(apply(N, op, args), out, s)
-      end
+    defp scatter(op, %T{type: type} = out, t, indices, updates, opts) do
+      s = stream([t, indices, updates], type)
+      args = [s, ref(t, s, type), ref(indices, s), ref(updates, s, type), opts[:axes]]
+      wrap(apply(N, op, args), out, s)
     end
 
-    if Catalogue.row?(:sort, [:a, :axis, :descending]) and
-         Catalogue.row?(:argsort, [:a, :axis, :descending]) do
-      # MLX's (Emily's) sorts are stable in both directions, so :stable needs nothing.
-      defp n_sort(%T{type: type} = out, t, opts) do
-        s = stream([t], type)
-        wrap(N.sort(s, ref(t, s), opts[:axis], opts[:direction] == :desc), out, s)
-      end
-
-      defp n_argsort(%T{type: type} = out, t, opts) do
-        s = stream([t], type)
-        x = N.argsort(s, ref(t, s), opts[:axis], opts[:direction] == :desc)
-        wrap(N.astype(s, x, type), out, s)
-      end
+    # MLX's (Emily's) sorts are stable in both directions, so :stable needs nothing.
+    defp n_sort(%T{type: type} = out, t, opts) do
+      s = stream([t], type)
+      wrap(N.sort(s, ref(t, s), opts[:axis], opts[:direction] == :desc), out, s)
     end
 
-    if Catalogue.row?(:window_scatter_max, [:a, :source, :init, :window, :strides, :lo, :hi]) and
-         Catalogue.row?(:window_scatter_min, [:a, :source, :init, :window, :strides, :lo, :hi]) do
-      defp n_window_scatter_max(out, t, source, init, window, opts),
-        do: window_scatter(:window_scatter_max, out, t, source, init, window, opts)
+    defp n_argsort(%T{type: type} = out, t, opts) do
+      s = stream([t], type)
+      x = N.argsort(s, ref(t, s), opts[:axis], opts[:direction] == :desc)
+      wrap(N.astype(s, x, type), out, s)
+    end
 
-      defp n_window_scatter_min(out, t, source, init, window, opts),
-        do: window_scatter(:window_scatter_min, out, t, source, init, window, opts)
+    defp n_window_scatter_max(out, t, source, init, window, opts),
+      do: window_scatter(:window_scatter_max, out, t, source, init, window, opts)
 
-      # Nx pads the tensor with the init value, so a padded place can win a window (and
-      # its update is then dropped); the native op never picks padding. With padding
-      # the op falls back; without, the two agree.
-      defp window_scatter(op, out, t, source, init, window, opts) do
-        if Enum.all?(opts[:padding], &(&1 == {0, 0})) do
-          %T{type: type} = out
-          s = stream([t, source, init], type)
-          zeros = List.duplicate(0, tuple_size(window))
-          args = [s, ref(t, s), ref(source, s, type), ref(init, s, type), Tuple.to_list(window)]
-          wrap(apply(N, op, args ++ [opts[:strides], zeros, zeros]), out, s)
-        else
-          fallback(op, [out, t, source, init, window, opts])
+    defp n_window_scatter_min(out, t, source, init, window, opts),
+      do: window_scatter(:window_scatter_min, out, t, source, init, window, opts)
+
+    # Nx pads the tensor with the init value, and a padded place can win a window (its
+    # update is then dropped); the native op never selects its own padding. So the
+    # tensor is padded here, as Nx pads it, and the result cropped back.
+    defp window_scatter(op, %T{type: type} = out, t, source, init, window, opts) do
+      s = stream([t, source, init], type)
+      rank = tuple_size(window)
+      {lo, hi} = Enum.unzip(opts[:padding])
+      zeros = List.duplicate(0, rank)
+      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
+
+      # (An integer tensor with a float init value compares in floating point.)
+      pad_type =
+        case {t.type, init.type} do
+          {{k, _}, {f, _}} when k in [:u, :s] and f in [:f, :bf] ->
+            Nx.Type.merge_number(t.type, 0.0)
+
+          _ ->
+            t.type
         end
-      end
+
+      x =
+        if padded?,
+          do: N.pad(s, ref(t, s, pad_type), ref(init, s, pad_type), lo, hi, zeros),
+          else: ref(t, s)
+
+      args = [s, x, ref(source, s, type), ref(init, s, type), Tuple.to_list(window)]
+      y = apply(N, op, args ++ [opts[:strides], zeros, zeros])
+      stops = Enum.zip_with(lo, Tuple.to_list(t.shape), &(&1 + &2))
+      y = if padded?, do: N.slice(s, y, lo, stops, List.duplicate(1, rank)), else: y
+      wrap(y, out, s)
     end
 
-    if Catalogue.row?(:conv, [
-         :input,
-         :kernel,
-         :strides,
-         :padding_lo,
-         :padding_hi,
-         :input_dilation,
-         :kernel_dilation,
-         :feature_group_size,
-         :batch_group_size,
-         :input_permutation,
-         :kernel_permutation,
-         :output_permutation
-       ]) do
-      defp n_conv(%T{type: {:c, _}} = out, t, k, opts), do: fallback(:conv, [out, t, k, opts])
-
-      defp n_conv(%T{type: type} = out, t, k, opts) do
-        s = stream([t, k], type)
-        {lo, hi} = Enum.unzip(opts[:padding])
-
-        x =
-          N.conv(
-            s,
-            ref(t, s, type),
-            ref(k, s, type),
-            opts[:strides],
-            lo,
-            hi,
-            opts[:input_dilation],
-            opts[:kernel_dilation],
-            opts[:feature_group_size],
-            opts[:batch_group_size],
-            opts[:input_permutation] || [],
-            opts[:kernel_permutation] || [],
-            opts[:output_permutation] || []
-          )
-
-        wrap(x, out, s)
-      end
+    # MLX convolves real types only; a complex convolution is four real ones (it is
+    # bilinear, and Nx's does not conjugate the kernel).
+    defp n_conv(%T{type: {:c, _} = type} = out, t, k, opts) do
+      s = stream([t, k], type)
+      x = ref(t, s, type)
+      w = ref(k, s, type)
+      {xr, xi, wr, wi} = {N.real(s, x), N.imag(s, x), N.real(s, w), N.imag(s, w)}
+      re = N.subtract(s, convolve(s, xr, wr, opts), convolve(s, xi, wi, opts))
+      im = N.add(s, convolve(s, xr, wi, opts), convolve(s, xi, wr, opts))
+      i = scalar(s, Complex.new(0, 1), type, {})
+      x = N.add(s, N.astype(s, re, type), N.multiply(s, N.astype(s, im, type), i))
+      wrap(x, out, s)
     end
 
-    if @triangular? do
-      # Nx's options map onto one lower/upper solve a x = b: a transposed a swaps lower
-      # and upper; x a = b is a^T x^T = b^T.
-      defp n_triangular_solve(%T{type: {:c, _}} = out, a, b, opts),
-        do: fallback(:triangular_solve, [out, a, b, opts])
-
-      defp n_triangular_solve(%T{type: type} = out, a, b, opts) do
-        s = cpu(stream([a, b], type))
-        rank = tuple_size(a.shape)
-        x = ref(a, s, type)
-        y = ref(b, s, type)
-        lower? = opts[:lower]
-        left? = opts[:left_side]
-        transpose? = opts[:transform_a] == :transpose
-        # Solving x a = b: a^T x^T = b^T.
-        {x, lower?} =
-          if transpose? != not left?, do: {swap_last(s, x, rank), not lower?}, else: {x, lower?}
-
-        vector? = tuple_size(b.shape) == rank - 1
-
-        y =
-          cond do
-            vector? -> N.expand_dims(s, y, [-1])
-            left? -> y
-            true -> swap_last(s, y, rank)
-          end
-
-        r = N.solve_triangular(s, x, y, not lower?)
-
-        r =
-          cond do
-            vector? -> N.squeeze(s, r, [-1])
-            left? -> r
-            true -> swap_last(s, r, rank)
-          end
-
-        wrap(r, out, s)
-      end
-
-      defp swap_last(s, x, rank) do
-        axes = Enum.to_list(0..(rank - 3)//1) ++ [rank - 1, rank - 2]
-        N.transpose(s, x, axes)
-      end
+    defp n_conv(%T{type: type} = out, t, k, opts) do
+      s = stream([t, k], type)
+      wrap(convolve(s, ref(t, s, type), ref(k, s, type), opts), out, s)
     end
 
-    if @fft? do
-      defp n_fft(out, t, opts), do: fft(:fft, out, t, opts)
-      defp n_ifft(out, t, opts), do: fft(:ifft, out, t, opts)
+    defp convolve(s, x, w, opts) do
+      {lo, hi} = Enum.unzip(opts[:padding])
 
-      defp fft(op, %T{type: type} = out, t, opts) do
-        s = stream([t], type)
-        x = apply(N, op, [s, ref(t, s, type), opts[:length], opts[:axis]])
-        wrap(clean_fft(s, x, type, opts[:eps]), out, s)
-      end
+      N.conv(
+        s,
+        x,
+        w,
+        opts[:strides],
+        lo,
+        hi,
+        opts[:input_dilation],
+        opts[:kernel_dilation],
+        opts[:feature_group_size],
+        opts[:batch_group_size],
+        opts[:input_permutation] || [],
+        opts[:kernel_permutation] || [],
+        opts[:output_permutation] || []
+      )
     end
 
-    if @fft? or @fft_blocks? do
-      # Nx.BinaryBackend zeroes the components of transform results within `eps` of zero
-      # (which also turns -0.0 into 0.0); so does Emily.
-      defp clean_fft(_s, x, _type, nil), do: x
+    ## Linear algebra (LAPACK through MLX)
+    #
+    # On a CPU worker: MLX's linalg is CPU-only. The LinAlg blocks run in their input's
+    # type (f32, f64; eigh and svd also c64), as Nx's own algorithms do; other input types
+    # run the block's default (Nx's algorithm, on this backend's ops). triangular_solve,
+    # a callback Nx.BinaryBackend computes in f64, computes in f64 for every type and
+    # rounds once.
 
-      defp clean_fft(s, x, {:c, _} = type, eps) do
-        {:c, bits} = type
-        real = {:f, div(bits, 2)}
-        zero = scalar(s, 0, real, {})
-        tol = scalar(s, eps, real, {})
-        clean = fn v -> N.where(s, N.less_equal(s, N.abs(s, v), tol), zero, v) end
-        re = N.astype(s, clean.(N.real(s, x)), type)
-        im = N.astype(s, clean.(N.imag(s, x)), type)
-        N.add(s, re, N.multiply(s, im, scalar(s, Complex.new(0, 1), type, {})))
+    defp linalg_stream(inputs), do: cpu(stream(inputs, {:f, 64}))
+    defp linalg_out(x, %T{type: type} = out, s), do: wrap(N.astype(s, x, type), out, s)
+
+    # Nx's options map onto one lower/upper solve a x = b: a transposed a swaps lower
+    # and upper; x a = b is a^T x^T = b^T. A zero on the diagonal raises, as in Nx. In
+    # f64 (c64 as f64 parts), as Nx.BinaryBackend solves.
+    defp n_triangular_solve(%T{type: type} = out, a, b, opts) do
+      s = linalg_stream([a, b])
+      rank = tuple_size(a.shape)
+      n = elem(a.shape, rank - 1)
+      compute = if match?({:c, _}, type), do: {:c, 64}, else: {:f, 64}
+      x = ref(a, s, compute)
+      y = ref(b, s, compute)
+      singular = Emily.Backend.LinAlg.singular?(s, x, compute, rank, n)
+
+      if Emily.to_binary(singular) == <<1>> do
+        raise ArgumentError, "can't solve for singular matrix"
       end
 
-      defp clean_fft(s, x, type, eps) do
-        zero = scalar(s, 0, type, {})
-        N.where(s, N.less_equal(s, N.abs(s, x), scalar(s, eps, type, {})), zero, x)
-      end
+      x = if opts[:transform_a] == :conjugate, do: N.conjugate(s, x), else: x
+      lower? = opts[:lower]
+      left? = opts[:left_side]
+      transpose? = opts[:transform_a] == :transpose
+
+      {x, lower?} =
+        if transpose? != not left?, do: {swap_last(s, x, rank), not lower?}, else: {x, lower?}
+
+      vector? = tuple_size(b.shape) == rank - 1
+
+      y =
+        cond do
+          vector? -> N.expand_dims(s, y, [-1])
+          left? -> y
+          true -> swap_last(s, y, rank)
+        end
+
+      r =
+        if compute == {:c, 64},
+          do: Emily.Backend.LinAlg.complex_triangular_solve(s, x, y, lower?, rank, n),
+          else: N.solve_triangular(s, x, y, not lower?)
+
+      r =
+        cond do
+          vector? -> N.squeeze(s, r, [-1])
+          left? -> r
+          true -> swap_last(s, r, rank)
+        end
+
+      linalg_out(r, out, s)
     end
 
-    if @triangular? or @linalg? do
-      # MLX's linalg runs on the CPU only; inputs on a GPU stream are evaluated there and
-      # read here.
-      defp cpu(s), do: if(Emily.Stream.device(s) == :cpu, do: s, else: Emily.Stream.default(:cpu))
+    defp swap_last(s, x, rank) do
+      axes = Enum.to_list(0..(rank - 3)//1) ++ [rank - 1, rank - 2]
+      N.transpose(s, x, axes)
     end
+
+    defp n_fft(out, t, opts), do: fft(:fft, out, t, opts)
+    defp n_ifft(out, t, opts), do: fft(:ifft, out, t, opts)
+
+    defp fft(op, %T{type: type} = out, t, opts) do
+      s = stream([t], type)
+      x = apply(N, op, [s, ref(t, s, type), opts[:length], opts[:axis]])
+      wrap(clean_fft(s, x, type, opts[:eps]), out, s)
+    end
+
+    # Nx.BinaryBackend zeroes the components of transform results within `eps` of zero
+    # (which also turns -0.0 into 0.0); so does Emily.
+    defp clean_fft(_s, x, _type, nil), do: x
+
+    defp clean_fft(s, x, {:c, _} = type, eps) do
+      {:c, bits} = type
+      real = {:f, div(bits, 2)}
+      zero = scalar(s, 0, real, {})
+      tol = scalar(s, eps, real, {})
+      clean = fn v -> N.where(s, N.less_equal(s, N.abs(s, v), tol), zero, v) end
+      re = N.astype(s, clean.(N.real(s, x)), type)
+      im = N.astype(s, clean.(N.imag(s, x)), type)
+      N.add(s, re, N.multiply(s, im, scalar(s, Complex.new(0, 1), type, {})))
+    end
+
+    defp clean_fft(s, x, type, eps) do
+      zero = scalar(s, 0, type, {})
+      N.where(s, N.less_equal(s, N.abs(s, x), scalar(s, eps, type, {})), zero, x)
+    end
+
+    # MLX's linalg runs on the CPU only; inputs on a GPU stream are evaluated there and
+    # read here.
+    defp cpu(s), do: if(Emily.Stream.device(s) == :cpu, do: s, else: Emily.Stream.default(:cpu))
 
     ## Blocks
     #
@@ -1173,55 +1057,52 @@ if Code.ensure_loaded?(Nx) do
 
     defp native_block?(%Nx.Block.Phase{}, out, [%T{type: {:c, 64}}]), do: native_type?(out)
 
-    if Catalogue.row?(:take, [:a, :indices, :axis]) and
-         Catalogue.row?(:take_along_axis, [:a, :indices, :axis]) do
-      defp native_block?(%struct{}, out, [t, i])
-           when struct in [Nx.Block.Take, Nx.Block.TakeAlongAxis],
-           do: native_type?(out) and native_type?(t) and native_type?(i)
+    # MLX's isclose is Nx's test (|a - b| <= atol + rtol * |b|, infinities equal only to
+    # themselves, NaN per equal_nan); its tolerances are f32 scalars, so half-precision and
+    # integer inputs would compute the bound in another type than Nx: those run Nx's own.
+    defp native_block?(%Nx.Block.AllClose{}, _out, [%T{type: type}, %T{type: type}]),
+      do: type in [{:f, 32}, {:f, 64}]
+
+    defp native_block?(%struct{}, out, [t, i])
+         when struct in [Nx.Block.Take, Nx.Block.TakeAlongAxis],
+         do: native_type?(out) and native_type?(t) and native_type?(i)
+
+    defp native_block?(%Nx.Block.TopK{}, {v, i}, [%T{type: {kind, _}} = t]),
+      do: native_type?(v) and native_type?(i) and native_type?(t) and kind != :c
+
+    defp native_block?(%struct{}, out, [t])
+         when struct in [
+                Nx.Block.CumulativeSum,
+                Nx.Block.CumulativeProduct,
+                Nx.Block.CumulativeMin,
+                Nx.Block.CumulativeMax
+              ],
+         do: native_type?(out) and native_type?(t)
+
+    defp native_block?(%struct{}, %T{type: {kind, _}} = out, [t])
+         when struct in [Nx.Block.FFT2, Nx.Block.IFFT2, Nx.Block.RFFT, Nx.Block.IRFFT],
+         do: native_type?(out) and native_type?(t) and kind in [:c, :f]
+
+    # LAPACK through MLX: real types (eigh and svd also c64). QR's :complete mode is
+    # the reduced one for m <= n; MLX has no complete Q for m > n.
+    defp native_block?(%Nx.Block.LinAlg.QR{mode: mode}, _out, [%T{shape: shape} = t]) do
+      rank = tuple_size(shape)
+      real?(t) and (mode == :reduced or elem(shape, rank - 2) <= elem(shape, rank - 1))
     end
 
-    if Catalogue.row?(:topk_sorted, [:a, :k, :axis]) do
-      defp native_block?(%Nx.Block.TopK{}, {v, i}, [%T{type: {kind, _}} = t]),
-        do: native_type?(v) and native_type?(i) and native_type?(t) and kind != :c
-    end
+    defp native_block?(%struct{}, _out, [t])
+         when struct in [Nx.Block.LinAlg.Eigh, Nx.Block.LinAlg.SVD],
+         do: real?(t) or t.type == {:c, 64}
 
-    if @scans? do
-      defp native_block?(%struct{}, out, [t])
-           when struct in [
-                  Nx.Block.CumulativeSum,
-                  Nx.Block.CumulativeProduct,
-                  Nx.Block.CumulativeMin,
-                  Nx.Block.CumulativeMax
-                ],
-           do: native_type?(out) and native_type?(t)
-    end
+    defp native_block?(%struct{}, _out, [t])
+         when struct in [
+                Nx.Block.LinAlg.Cholesky,
+                Nx.Block.LinAlg.LU,
+                Nx.Block.LinAlg.Determinant
+              ],
+         do: real?(t)
 
-    if @fft_blocks? do
-      defp native_block?(%struct{}, %T{type: {kind, _}} = out, [t])
-           when struct in [Nx.Block.FFT2, Nx.Block.IFFT2, Nx.Block.RFFT, Nx.Block.IRFFT],
-           do: native_type?(out) and native_type?(t) and kind in [:c, :f]
-    end
-
-    if @linalg? do
-      # LAPACK through MLX, on a CPU worker: real f32/f64 (eigh and svd also c64).
-      defp native_block?(%Nx.Block.LinAlg.QR{mode: mode}, _out, [t]),
-        do: mode == :reduced and linalg_type?(t, [{:f, 32}, {:f, 64}])
-
-      defp native_block?(%struct{}, _out, [t])
-           when struct in [Nx.Block.LinAlg.Eigh, Nx.Block.LinAlg.SVD],
-           do: linalg_type?(t, [{:f, 32}, {:f, 64}, {:c, 64}])
-
-      defp native_block?(%struct{}, _out, [t])
-           when struct in [
-                  Nx.Block.LinAlg.Cholesky,
-                  Nx.Block.LinAlg.LU,
-                  Nx.Block.LinAlg.Determinant
-                ],
-           do: linalg_type?(t, [{:f, 32}, {:f, 64}])
-
-      defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]),
-        do: linalg_type?(a, [{:f, 32}, {:f, 64}]) and linalg_type?(b, [{:f, 32}, {:f, 64}])
-    end
+    defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]), do: real?(a) and real?(b)
 
     defp native_block?(_struct, _out, _args), do: false
 
@@ -1231,136 +1112,129 @@ if Code.ensure_loaded?(Nx) do
       wrap(N.astype(s, x, type), out, s)
     end
 
+    defp n_block(%Nx.Block.AllClose{} = o, %T{type: type} = out, [a, b]) do
+      s = stream([a, b], a.type)
+      x = N.allclose(s, ref(a, s), ref(b, s), o.rtol, o.atol, o.equal_nan)
+      wrap(N.astype(s, x, type), out, s)
+    end
+
     defp n_block(%Nx.Block.Phase{}, %T{type: type} = out, [t]) do
       s = stream([t], type)
       x = ref(t, s)
       wrap(N.arctan2(s, N.imag(s, x), N.real(s, x)), out, s)
     end
 
-    if Catalogue.row?(:take, [:a, :indices, :axis]) and
-         Catalogue.row?(:take_along_axis, [:a, :indices, :axis]) do
-      defp n_block(%Nx.Block.Take{axis: axis}, %T{type: type} = out, [t, i]) do
-        s = stream([t, i], type)
-        wrap(N.take(s, ref(t, s), ref(i, s), axis), out, s)
-      end
-
-      defp n_block(%Nx.Block.TakeAlongAxis{axis: axis}, %T{type: type} = out, [t, i]) do
-        s = stream([t, i], type)
-        wrap(N.take_along_axis(s, ref(t, s), ref(i, s), axis), out, s)
-      end
+    defp n_block(%Nx.Block.Take{axis: axis}, %T{type: type} = out, [t, i]) do
+      s = stream([t, i], type)
+      wrap(N.take(s, ref(t, s), ref(i, s), axis), out, s)
     end
 
-    if Catalogue.row?(:topk_sorted, [:a, :k, :axis]) do
-      defp n_block(%Nx.Block.TopK{k: k}, {%T{type: vt} = v, %T{type: it} = i}, [t]) do
-        s = stream([t], vt)
-        [values, indices] = N.topk_sorted(s, ref(t, s, vt), k, -1)
-        {wrap(values, v, s), wrap(N.astype(s, indices, it), i, s)}
-      end
+    defp n_block(%Nx.Block.TakeAlongAxis{axis: axis}, %T{type: type} = out, [t, i]) do
+      s = stream([t, i], type)
+      wrap(N.take_along_axis(s, ref(t, s), ref(i, s), axis), out, s)
     end
 
-    if @scans? do
-      @scans %{
-        Nx.Block.CumulativeSum => :cumsum,
-        Nx.Block.CumulativeProduct => :cumprod,
-        Nx.Block.CumulativeMin => :cummin,
-        Nx.Block.CumulativeMax => :cummax
-      }
-
-      defp n_block(%struct{axis: axis, reverse: reverse}, %T{type: type} = out, [t])
-           when is_map_key(@scans, struct) do
-        s = stream([t], type)
-        x = apply(N, Map.fetch!(@scans, struct), [s, ref(t, s, type), axis, reverse, true])
-        # (MLX keeps 8/16-bit integer types in its scans; Nx's out says the type.)
-        wrap(N.astype(s, x, type), out, s)
-      end
+    defp n_block(%Nx.Block.TopK{k: k}, {%T{type: vt} = v, %T{type: it} = i}, [t]) do
+      s = stream([t], vt)
+      [values, indices] = N.topk_sorted(s, ref(t, s, vt), k, -1)
+      {wrap(values, v, s), wrap(N.astype(s, indices, it), i, s)}
     end
 
-    if @fft_blocks? do
-      defp n_block(%Nx.Block.FFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
-        do: fft_block(:fft2, out, t, [n, axes], eps)
+    @scans %{
+      Nx.Block.CumulativeSum => :cumsum,
+      Nx.Block.CumulativeProduct => :cumprod,
+      Nx.Block.CumulativeMin => :cummin,
+      Nx.Block.CumulativeMax => :cummax
+    }
 
-      defp n_block(%Nx.Block.IFFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
-        do: fft_block(:ifft2, out, t, [n, axes], eps)
-
-      defp n_block(%Nx.Block.RFFT{length: n, axis: axis, eps: eps}, out, [t]),
-        do: fft_block(:rfft, out, t, [n, axis], eps)
-
-      defp n_block(%Nx.Block.IRFFT{length: n, axis: axis, eps: eps}, out, [t]),
-        do: fft_block(:irfft, out, t, [n, axis], eps)
+    defp n_block(%struct{axis: axis, reverse: reverse}, %T{type: type} = out, [t])
+         when is_map_key(@scans, struct) do
+      s = stream([t], type)
+      x = apply(N, Map.fetch!(@scans, struct), [s, ref(t, s, type), axis, reverse, true])
+      # (MLX keeps 8/16-bit integer types in its scans; Nx's out says the type.)
+      wrap(N.astype(s, x, type), out, s)
     end
 
-    if @linalg? do
-      defp n_block(%Nx.Block.LinAlg.Cholesky{}, %T{type: type} = out, [t]) do
-        s = cpu(stream([t], type))
-        wrap(N.cholesky(s, ref(t, s, type), false), out, s)
-      end
+    defp n_block(%Nx.Block.FFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
+      do: fft_block(:fft2, out, t, [n, axes], eps)
 
-      defp n_block(%Nx.Block.LinAlg.Solve{}, %T{type: type} = out, [a, b]) do
-        s = cpu(stream([a, b], type))
-        wrap(N.solve(s, ref(a, s, type), ref(b, s, type)), out, s)
-      end
+    defp n_block(%Nx.Block.IFFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
+      do: fft_block(:ifft2, out, t, [n, axes], eps)
 
-      defp n_block(%Nx.Block.LinAlg.QR{}, {%T{type: type} = q_out, r_out}, [t]) do
-        s = cpu(stream([t], type))
-        [q, r] = N.qr(s, ref(t, s, type))
-        {wrap(q, q_out, s), wrap(r, r_out, s)}
-      end
+    defp n_block(%Nx.Block.RFFT{length: n, axis: axis, eps: eps}, out, [t]),
+      do: fft_block(:rfft, out, t, [n, axis], eps)
 
-      defp n_block(%Nx.Block.LinAlg.Eigh{}, {%T{type: vt} = vals_out, %T{type: et} = vecs_out}, [
-             t
-           ]) do
-        s = cpu(stream([t], et))
-        [vals, vecs] = N.eigh(s, ref(t, s, et), "L")
-        {wrap(N.astype(s, vals, vt), vals_out, s), wrap(vecs, vecs_out, s)}
-      end
+    defp n_block(%Nx.Block.IRFFT{length: n, axis: axis, eps: eps}, out, [t]),
+      do: fft_block(:irfft, out, t, [n, axis], eps)
 
-      defp n_block(%Nx.Block.LinAlg.SVD{full_matrices?: full?}, {u_out, s_out, vt_out}, [t]) do
-        %T{type: type} = u_out
-        s = cpu(stream([t], type))
-        [u, sv, vt] = N.svd(s, ref(t, s, type))
-        # MLX returns the full U and Vt; Nx's shapes say how much of them to keep.
-        u = if full?, do: u, else: crop(s, u, u_out.shape)
-        vt = if full?, do: vt, else: crop(s, vt, vt_out.shape)
-        {wrap(u, u_out, s), wrap(N.astype(s, sv, s_out.type), s_out, s), wrap(vt, vt_out, s)}
-      end
-
-      # MLX gives pivots with a = (l @ u)[pivots]; Nx wants the matrix p with a = p.l.u.
-      defp n_block(%Nx.Block.LinAlg.LU{}, {%T{type: pt} = p_out, %T{type: type} = l_out, u_out}, [
-             t
-           ]) do
-        s = cpu(stream([t], type))
-        [pivots, l, u] = N.lu(s, ref(t, s, type))
-        n = elem(p_out.shape, tuple_size(p_out.shape) - 1)
-        columns = N.arange(s, 0, n, 1, {:u, 32})
-        p = N.equal(s, N.expand_dims(s, N.astype(s, pivots, {:u, 32}), [-1]), columns)
-        {wrap(N.astype(s, p, pt), p_out, s), wrap(l, l_out, s), wrap(u, u_out, s)}
-      end
-
-      defp n_block(%Nx.Block.LinAlg.Determinant{}, %T{type: type} = out, [t]) do
-        s = cpu(stream([t], type))
-        wrap(N.det(s, ref(t, s, type)), out, s)
-      end
+    defp n_block(%Nx.Block.LinAlg.Cholesky{}, out, [t]) do
+      s = linalg_stream([t])
+      linalg_out(N.cholesky(s, ref(t, s), false), out, s)
     end
 
-    if @fft_blocks? do
-      defp fft_block(op, %T{type: type} = out, t, args, eps) do
-        s = stream([t], type)
-        input = if op in [:rfft], do: ref(t, s), else: ref(t, s, complex_of(t.type))
-        x = apply(N, op, [s, input | args])
-        wrap(clean_fft(s, x, type, eps), out, s)
-      end
-
-      defp complex_of({:c, _} = type), do: type
-      defp complex_of(_), do: {:c, 64}
+    defp n_block(%Nx.Block.LinAlg.Solve{}, out, [a, b]) do
+      s = linalg_stream([a, b])
+      linalg_out(N.solve(s, ref(a, s), ref(b, s)), out, s)
     end
 
-    if @linalg? do
-      defp linalg_type?(%T{type: type}, types), do: type in types
+    defp n_block(%Nx.Block.LinAlg.QR{eps: eps}, {q_out, r_out}, [t]) do
+      s = linalg_stream([t])
+      {q, r} = Emily.Backend.LinAlg.qr(s, ref(t, s), t.type, t.shape, eps)
+      {linalg_out(q, q_out, s), linalg_out(r, r_out, s)}
+    end
 
-      defp crop(s, x, shape) do
-        rank = tuple_size(shape)
-        N.slice(s, x, List.duplicate(0, rank), Tuple.to_list(shape), List.duplicate(1, rank))
-      end
+    defp n_block(%Nx.Block.LinAlg.Eigh{eps: eps}, {vals_out, vecs_out}, [t]) do
+      s = linalg_stream([t])
+      x = ref(t, s)
+      {vals, vecs} = Emily.Backend.LinAlg.eigh(s, x, t.type, t.shape, eps)
+      {linalg_out(vals, vals_out, s), linalg_out(vecs, vecs_out, s)}
+    end
+
+    defp n_block(%Nx.Block.LinAlg.SVD{full_matrices?: full?}, {u_out, s_out, vt_out}, [t]) do
+      s = linalg_stream([t])
+      [u, sv, vt] = N.svd(s, ref(t, s))
+      # MLX returns the full U and Vt; Nx's shapes say how much of them to keep.
+      u = if full?, do: u, else: crop(s, u, u_out.shape)
+      vt = if full?, do: vt, else: crop(s, vt, vt_out.shape)
+      {linalg_out(u, u_out, s), linalg_out(sv, s_out, s), linalg_out(vt, vt_out, s)}
+    end
+
+    # MLX gives pivots with a = (l @ u)[pivots]; Nx wants the matrix p with a = p.l.u.
+    defp n_block(%Nx.Block.LinAlg.LU{}, {p_out, l_out, u_out}, [t]) do
+      s = linalg_stream([t])
+      [pivots, l, u] = N.lu(s, ref(t, s))
+      n = elem(p_out.shape, tuple_size(p_out.shape) - 1)
+      columns = N.arange(s, 0, n, 1, {:u, 32})
+      p = N.equal(s, N.expand_dims(s, N.astype(s, pivots, {:u, 32}), [-1]), columns)
+      {linalg_out(p, p_out, s), linalg_out(l, l_out, s), linalg_out(u, u_out, s)}
+    end
+
+    # MLX's det has closed forms up to 3x3 (as Nx), then goes through exp, which has
+    # f32 accuracy on f64: from the LU instead.
+    defp n_block(%Nx.Block.LinAlg.Determinant{}, out, [%T{shape: shape} = t]) do
+      s = linalg_stream([t])
+      rank = tuple_size(shape)
+      n = elem(shape, rank - 1)
+      x = ref(t, s)
+      d = if n <= 3, do: N.det(s, x), else: Emily.Backend.LinAlg.det(s, x, rank, n)
+      linalg_out(d, out, s)
+    end
+
+    defp fft_block(op, %T{type: type} = out, t, args, eps) do
+      s = stream([t], type)
+      input = if op in [:rfft], do: ref(t, s), else: ref(t, s, complex_of(t.type))
+      x = apply(N, op, [s, input | args])
+      wrap(clean_fft(s, x, type, eps), out, s)
+    end
+
+    defp complex_of({:c, _} = type), do: type
+    defp complex_of(_), do: {:c, 64}
+
+    defp real?(%T{type: type}), do: type in [{:f, 32}, {:f, 64}]
+
+    defp crop(s, x, shape) do
+      rank = tuple_size(shape)
+      N.slice(s, x, List.duplicate(0, rank), Tuple.to_list(shape), List.duplicate(1, rank))
     end
 
     @doc false
@@ -1423,8 +1297,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp ref(%T{type: type, shape: shape} = t, s) do
-      bin = t |> Nx.to_binary() |> Storage.from_nx_binary(type)
-      N.from_binary(s, bin, Storage.shape(type, shape), Storage.dtype(type))
+      from_nx_binary(s, Nx.to_binary(t), type, shape)
     end
 
     # ... converted to `type` (a plain MLX cast: Nx's rules for non-finite values only
@@ -1520,105 +1393,17 @@ if Code.ensure_loaded?(Nx) do
     defp reshape(x, s, shape), do: N.reshape(s, x, shape)
     defp broadcast_to(x, s, shape), do: N.broadcast_to(s, x, shape)
 
-    defp permute(s, x, shape, axes) do
-      if axes == Enum.to_list(0..(tuple_size(shape) - 1)//1),
-        do: x,
-        else: N.transpose(s, x, axes)
-    end
-
-    defp reverse(_s, x, _shape, []), do: x
-
-    defp reverse(s, x, shape, axes) do
-      dims = Tuple.to_list(shape)
-
-      {starts, stops, strides} =
-        dims
-        |> Enum.with_index()
-        |> Enum.map(fn {dim, axis} ->
-          if axis in axes and dim > 0, do: {dim - 1, -dim - 1, -1}, else: {0, dim, 1}
-        end)
-        |> unzip3()
-
-      N.slice(s, x, starts, stops, strides)
-    end
-
     defp unzip3(list) do
       {Enum.map(list, &elem(&1, 0)), Enum.map(list, &elem(&1, 1)), Enum.map(list, &elem(&1, 2))}
     end
 
-    defp slice_axis(s, x, shape, axis, from, len) do
-      slice_axis_rank(s, x, axis, from, len, tuple_size(shape))
-    end
-
     # [from, from + len) along `axis` of a rank-`rank` array, all of the other axes.
-    defp slice_axis_rank(s, x, axis, from, len, rank) do
+    defp slice_axis(s, x, axis, from, len, rank) do
       big = 2_147_483_647
       starts = List.duplicate(0, rank) |> List.replace_at(axis, from)
       stops = List.duplicate(big, rank) |> List.replace_at(axis, from + len)
       N.slice(s, x, starts, stops, List.duplicate(1, rank))
     end
-
-    defp slice_axis_strided(s, x, axis, from, to, stride, rank) do
-      big = 2_147_483_647
-      starts = List.duplicate(0, rank) |> List.replace_at(axis, from)
-      stops = List.duplicate(big, rank) |> List.replace_at(axis, to)
-      strides = List.duplicate(1, rank) |> List.replace_at(axis, stride)
-      N.slice(s, x, starts, stops, strides)
-    end
-
-    # Nx's pad: per axis {low, high, interior}; negative low/high crop.
-    defp pad(s, x, shape, value, config) do
-      {x, _dims} =
-        config
-        |> Enum.with_index()
-        |> Enum.reduce({x, Tuple.to_list(shape)}, fn {{lo, hi, interior}, axis}, {x, dims} ->
-          {x, dims} = pad_interior(s, x, dims, axis, interior, value)
-          {x, dims} = pad_edge(s, x, dims, axis, lo, value, :low)
-          pad_edge(s, x, dims, axis, hi, value, :high)
-        end)
-
-      x
-    end
-
-    defp pad_interior(_s, x, dims, _axis, 0, _value), do: {x, dims}
-
-    defp pad_interior(s, x, dims, axis, interior, value) do
-      case Enum.at(dims, axis) do
-        d when d <= 1 ->
-          {x, dims}
-
-        d ->
-          rank = length(dims)
-          expanded = N.expand_dims(s, x, [axis + 1])
-          fill_dims = List.insert_at(dims, axis + 1, interior) |> List.replace_at(axis, d)
-          fill = broadcast_to(value, s, List.to_tuple(fill_dims))
-          joined = N.concatenate(s, [expanded, fill], axis + 1)
-          merged_dims = List.replace_at(dims, axis, d * (interior + 1))
-          merged = reshape(joined, s, List.to_tuple(merged_dims))
-          new = d + (d - 1) * interior
-          {slice_axis_rank(s, merged, axis, 0, new, rank), List.replace_at(dims, axis, new)}
-      end
-    end
-
-    defp pad_edge(_s, x, dims, _axis, 0, _value, _side), do: {x, dims}
-
-    defp pad_edge(s, x, dims, axis, n, _value, side) when n < 0 do
-      d = Enum.at(dims, axis)
-      from = if side == :low, do: -n, else: 0
-      {slice_axis_rank(s, x, axis, from, d + n, length(dims)), List.replace_at(dims, axis, d + n)}
-    end
-
-    defp pad_edge(s, x, dims, axis, n, value, side) do
-      fill = broadcast_to(value, s, dims |> List.replace_at(axis, n) |> List.to_tuple())
-      pieces = if side == :low, do: [fill, x], else: [x, fill]
-      d = Enum.at(dims, axis)
-      {N.concatenate(s, pieces, axis), List.replace_at(dims, axis, d + n)}
-    end
-
-    defp to_index(i) when is_integer(i), do: i
-    defp to_index(%T{} = t), do: Nx.to_number(t)
-
-    defp clamp(i, max), do: i |> max(0) |> min(max)
 
     ## Generated callbacks (see "Dispatch" above)
 
@@ -1627,8 +1412,7 @@ if Code.ensure_loaded?(Nx) do
           not Module.defines?(__MODULE__, {name, arity}, :def),
           do: {name, arity, Module.defines?(__MODULE__, {:"n_#{name}", arity})}
 
-    @fallbacks for {name, _, false} <- generated,
-                   do: {name, Emily.Backend.Catalogue.reason(name)}
+    @fallbacks for {name, _, false} <- generated, do: {name, "no native path"}
 
     for {name, arity, native?} <- generated do
       [out | inputs] = args = Macro.generate_arguments(arity, __MODULE__)
@@ -1656,9 +1440,8 @@ if Code.ensure_loaded?(Nx) do
 
     @doc """
     The `Nx.Backend` callbacks that run on `Nx.BinaryBackend` for every type, each with
-    the reason:
-
-    #{Enum.map_join(@fallbacks, "\n", fn {op, why} -> "  * `#{op}` - #{why}" end)}
+    the reason (none: every callback has a native path; see "Fallbacks" in the module
+    documentation for the types and arguments that still fall back).
     """
     @spec fallbacks() :: [{atom, String.t()}]
     def fallbacks, do: @fallbacks

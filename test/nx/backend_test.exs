@@ -117,7 +117,9 @@ if Code.ensure_loaded?(Nx) do
           {{:s, 64}, {:f, 64}},
           {{:u, 16}, {:f, 16}},
           {{:s, 16}, {:bf, 16}},
-          {{:u, 8}, {:s, 8}}
+          {{:u, 8}, {:s, 8}},
+          {{:f, 64}, {:u, 64}},
+          {{:bf, 16}, {:f, 16}}
         ]
 
         for {from, to} <- pairs do
@@ -602,21 +604,19 @@ if Code.ensure_loaded?(Nx) do
           shape = O.shape(1)
           dims = Tuple.to_list(shape)
           type = Enum.random([{:f, 32}, {:s, 32}, {:f, 64}])
-          # Distinct values, all above the init value (0), which Nx pads with: which of
-          # tied elements a window picks differs between implementations.
-          t = Nx.iota(shape, type: type, backend: Nx.BinaryBackend) |> Nx.add(1)
-          t = Nx.reshape(t, {Nx.size(shape)})
-
-          t =
-            t
-            |> Nx.take(
-              Nx.tensor(Enum.shuffle(0..(Nx.size(shape) - 1)), backend: Nx.BinaryBackend)
-            )
-            |> Nx.reshape(shape)
-
+          # Small values: ties within a window (the last one wins) and padding (the init
+          # value, which can win a window and then drops its update) both occur.
+          t = O.tensor(shape, type, :small)
           window = Enum.map(dims, &Enum.random(1..&1))
           strides = Enum.map(dims, fn _ -> Enum.random(1..2) end)
-          padding = Enum.random([:valid, :same])
+
+          padding =
+            Enum.random([
+              :valid,
+              :same,
+              Enum.map(dims, fn _ -> {Enum.random(0..2), Enum.random(0..2)} end)
+            ])
+
           opts = [strides: strides, padding: padding]
 
           source_shape =
@@ -625,15 +625,39 @@ if Code.ensure_loaded?(Nx) do
             end)
 
           source = O.tensor(source_shape, type, :small)
-          init = Nx.tensor(0, type: type, backend: Nx.BinaryBackend)
+          init = Nx.tensor(Enum.random(-3..3), type: type, backend: Nx.BinaryBackend)
           check(&apply(Nx, op, [&1, &2, &3, List.to_tuple(window), opts]), [t, source, init])
         end
       end
 
-      test "reduce and window_reduce (Elixir functions: fallback)" do
-        t = O.tensor({4, 5}, {:f, 32}, :small)
-        check(&Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end), [t])
-        check(&Nx.window_reduce(&1, 0, {2, 2}, fn a, b -> Nx.max(a, b) end), [t])
+      test "reduce and window_reduce: one op of the two arguments natively, else fallback" do
+        funs = [
+          &Nx.add/2,
+          fn x, acc -> Nx.multiply(acc, x) end,
+          &Nx.max/2,
+          fn x, acc -> Nx.min(acc, x) end,
+          # Not one op of the two arguments: Nx.BinaryBackend calls it per element.
+          fn x, acc -> Nx.add(Nx.multiply(x, 2), acc) end,
+          fn x, acc -> if Nx.to_number(x) > 0, do: Nx.add(x, acc), else: acc end
+        ]
+
+        # (Nx.BinaryBackend's window_reduce passes plain numbers to the function, which
+        # then returns s32 or f32 tensors it cannot write as u8: u8 for reduce only, with
+        # the functions that keep the type.)
+        for {fun, i} <- Enum.with_index(funs),
+            type <- if(i < 4, do: [{:s, 32}, {:f, 32}, {:u, 8}], else: [{:s, 32}, {:f, 32}]) do
+          domain = if fun == (&Nx.add/2), do: :small, else: {:range, 0, 2}
+          t = O.tensor({3, 4}, type, domain)
+          acc = Nx.tensor(Enum.random(0..2), type: type, backend: Nx.BinaryBackend)
+          check(&Nx.reduce(&1, &2, fun), [t, acc])
+          check(&Nx.reduce(&1, &2, [axes: [1], keep_axes: true], fun), [t, acc])
+
+          if type != {:u, 8} do
+            opts = [strides: [1, 2], padding: [{1, 0}, {0, 2}], window_dilations: [2, 1]]
+            check(&Nx.window_reduce(&1, &2, {2, 2}, opts, fun), [t, acc])
+            check(&Nx.window_reduce(&1, &2, {3, 1}, fun), [t, acc])
+          end
+        end
       end
 
       test "cumulative ops, top_k, logical_not, all_close" do
@@ -657,10 +681,39 @@ if Code.ensure_loaded?(Nx) do
           check(&Nx.top_k(&1, k: k), [t])
         end
 
+        # Ties go to the lower index, NaN is the largest, as in Nx's own top_k.
+        for type <- [{:f, 32}, {:s, 32}, {:f, 16}] do
+          check(&Nx.top_k(&1, k: 3), [O.tensor({3, 5}, type, :small)])
+        end
+
+        check(&Nx.top_k(&1, k: 4), [
+          Nx.tensor([1.0, :nan, 3.0, :infinity, 3.0, :neg_infinity], backend: Nx.BinaryBackend)
+        ])
+
         t = O.tensor({3, 4}, {:f, 32}, :small)
         check(&Nx.logical_not/1, [t])
-        check(&Nx.all_close(&1, &2), [t, t])
-        check(&Nx.all_close(&1, &2), [t, Nx.add(t, 1.0e-3)])
+
+        for type <- [{:f, 32}, {:f, 64}, {:f, 16}, {:s, 32}] do
+          a = O.tensor({3, 4}, type, :small)
+          check(&Nx.all_close(&1, &2), [a, a])
+          check(&Nx.all_close(&1, &2), [a, Nx.add(a, 1.0e-3)])
+          check(&Nx.all_close(&1, &2, atol: 1.0e-2), [a, Nx.add(a, 1.0e-3)])
+        end
+
+        special = O.tensor({8}, {:f, 32}, :special)
+
+        for equal_nan <- [true, false] do
+          check(&Nx.all_close(&1, &2, equal_nan: equal_nan), [special, special])
+        end
+
+        inf = Nx.tensor([1.0, :infinity], backend: Nx.BinaryBackend)
+
+        check(&Nx.all_close(&1, &2), [
+          inf,
+          Nx.tensor([1.0, :neg_infinity], backend: Nx.BinaryBackend)
+        ])
+
+        check(&Nx.all_close(&1, &2), [inf, inf])
       end
     end
 
@@ -737,6 +790,20 @@ if Code.ensure_loaded?(Nx) do
           O.tensor({3, 2, 2}, {:s, 32}, :small)
         ])
 
+        # Complex inputs (four real convolutions), with groups and padding.
+        check(
+          &Nx.conv(&1, &2, padding: [{2, 1}], feature_group_size: 2),
+          [
+            O.tensor({2, 4, 5}, {:c, 64}),
+            O.tensor({4, 2, 3}, {:c, 64})
+          ],
+          tol: {1.0e-4, 1.0e-4}
+        )
+
+        check(&Nx.conv/2, [O.tensor({1, 2, 4}, {:f, 32}), O.tensor({3, 2, 2}, {:c, 64})],
+          tol: {1.0e-4, 1.0e-4}
+        )
+
         input = O.tensor({1, 5, 5, 2}, {:f, 32})
         kernel = O.tensor({3, 2, 2, 2}, {:f, 32})
 
@@ -748,29 +815,77 @@ if Code.ensure_loaded?(Nx) do
       end
 
       test "triangular_solve with every option" do
-        for _ <- 1..@trials do
+        for _ <- 1..(@trials * 2) do
           n = Enum.random(1..4)
           lower = Enum.random([true, false])
           left = Enum.random([true, false])
-          transform = Enum.random([:none, :transpose])
-          type = Enum.random([{:f, 32}, {:f, 64}])
-          # A well-conditioned triangular matrix: a dominant diagonal.
-          a = O.tensor({n, n}, type, :unit)
-          a = Nx.add(a, Nx.multiply(Nx.eye(n, backend: Nx.BinaryBackend), 4))
-          a = if lower, do: Nx.tril(a), else: Nx.triu(a)
-          b = O.tensor(Enum.random([{n}, {n, Enum.random(1..3)}, {Enum.random(1..3), n}]), type)
+          transform = Enum.random([:none, :transpose, :conjugate])
+          type = Enum.random([{:f, 32}, {:f, 64}, {:c, 64}, {:s, 32}])
+          batch = Enum.random([[], [2]])
+          # A well-conditioned matrix (a dominant diagonal); the other triangle is
+          # ignored, so it is left full.
+          domain = if type == {:s, 32}, do: {:range, -2, 2}, else: :unit
+          a = O.tensor(List.to_tuple(batch ++ [n, n]), type, domain)
 
-          b =
+          a =
+            Nx.add(
+              a,
+              Nx.multiply(Nx.eye(List.to_tuple(batch ++ [n, n]), backend: Nx.BinaryBackend), 4)
+            )
+
+          a =
+            if Enum.random([true, false]),
+              do: a,
+              else: if(lower, do: Nx.tril(a), else: Nx.triu(a))
+
+          k = Enum.random(1..3)
+
+          b_shape =
             cond do
-              tuple_size(b.shape) == 1 -> b
-              left -> O.tensor({n, elem(b.shape, 1)}, type)
-              true -> O.tensor({elem(b.shape, 0), n}, type)
+              batch == [] and Enum.random([true, false]) -> {n}
+              left -> List.to_tuple(batch ++ [n, k])
+              true -> List.to_tuple(batch ++ [k, n])
             end
 
-          if left or tuple_size(b.shape) == 2 do
-            opts = [lower: lower, left_side: left, transform_a: transform]
-            check(&Nx.LinAlg.triangular_solve(&1, &2, opts), [a, b], tol: {1.0e-4, 1.0e-5})
-          end
+          b = O.tensor(b_shape, if(type == {:s, 32}, do: {:f, 32}, else: type))
+          opts = [lower: lower, left_side: left, transform_a: transform]
+          # Both solve in f64 and round once.
+          check(&Nx.LinAlg.triangular_solve(&1, &2, opts), [a, b], tol: {1.0e-5, 1.0e-6})
+        end
+
+        # A zero on the diagonal raises, as in Nx.
+        assert_raise ArgumentError, "can't solve for singular matrix", fn ->
+          Nx.LinAlg.triangular_solve(Nx.tensor([[1.0, 0.0], [2.0, 0.0]]), Nx.tensor([1.0, 2.0]))
+        end
+      end
+
+      test "qr, eigh and determinant follow Nx's conventions" do
+        for type <- [{:f, 32}, {:f, 64}],
+            shape <- [{3, 3}, {4, 2}, {2, 4}, {2, 3, 3}, {1, 1}, {1, 3}] do
+          tol = if type == {:f, 32}, do: {1.0e-4, 1.0e-4}, else: {1.0e-9, 1.0e-9}
+          t = O.tensor(shape, type)
+          # Signs: R's diagonal non-negative where Nx reflects, the input's where it
+          # does not (already upper triangular columns, the last one of a square or
+          # wide matrix).
+          check(&Nx.LinAlg.qr/1, [t], tol: tol)
+          check(&Nx.LinAlg.qr/1, [Nx.multiply(Nx.triu(t), -1)], tol: tol)
+          check(&Nx.LinAlg.qr(&1, mode: :complete), [t], tol: tol)
+        end
+
+        for type <- [{:f, 32}, {:f, 64}], n <- [2, 3, 5] do
+          m = O.tensor({n, n}, type)
+
+          spd =
+            Nx.add(Nx.dot(m, Nx.transpose(m)), Nx.eye(n, type: type, backend: Nx.BinaryBackend))
+
+          # Eigenvalues by decreasing magnitude (eigenvector signs are not unique).
+          {vals, _} = Nx.LinAlg.eigh(O.emily(spd))
+          {expected, _} = Nx.LinAlg.eigh(spd, eps: 1.0e-10)
+          assert_same(vals, expected, tol: {1.0e-3, 1.0e-3})
+          # LU-based past 3x3 (MLX's det goes through f32-accurate exp on f64).
+          check(&Nx.LinAlg.determinant/1, [m],
+            tol: if(type == {:f, 64}, do: {1.0e-12, 1.0e-12}, else: {1.0e-4, 1.0e-4})
+          )
         end
       end
 
@@ -879,8 +994,8 @@ if Code.ensure_loaded?(Nx) do
           {pid, ref}
         )
 
-        # (reduce applies an Elixir function to each element: it always falls back.)
-        sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end)
+        # (A reduce function that is not one op of its two arguments falls back.)
+        sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(Nx.multiply(a, 1), b) end)
 
         try do
           assert Nx.to_number(sum.(Nx.tensor([3, 1, 2]))) == 6
@@ -903,7 +1018,7 @@ if Code.ensure_loaded?(Nx) do
         previous = Application.get_env(:emily, :fallback)
 
         try do
-          sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(a, b) end)
+          sum = &Nx.reduce(&1, 0, fn a, b -> Nx.add(Nx.multiply(a, 1), b) end)
           Application.put_env(:emily, :fallback, :raise)
 
           assert_raise ArgumentError, ~r/no native path for reduce on s32\{3\}, s32\{\}/, fn ->
@@ -922,9 +1037,10 @@ if Code.ensure_loaded?(Nx) do
       end
 
       test "pins the default backend to BinaryBackend while delegating" do
-        # BinaryBackend's conv builds tensors on the default backend internally.
+        # BinaryBackend's window_reduce builds tensors on the default backend internally.
         Nx.default_backend({Emily.Backend, device: :cpu})
-        out = Nx.conv(Nx.iota({1, 1, 4}, type: :f32), Nx.iota({1, 1, 2}, type: :f32))
+        fun = fn a, b -> Nx.add(Nx.multiply(a, 2), b) end
+        out = Nx.window_reduce(Nx.iota({1, 1, 4}, type: :f32), 0, {1, 1, 2}, fun)
         assert %Emily.Backend{} = out.data
         assert Nx.default_backend() == {Emily.Backend, [device: :cpu]}
       end

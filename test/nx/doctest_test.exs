@@ -1,11 +1,15 @@
 # Nx's own doctests (Nx, Nx.LinAlg, Nx.Random) with Emily.Backend as the default backend,
 # as EXLA and Torchx run them. Inspect output is compared as Nx prints it
-# (`add_backend_on_inspect` is off under test: config/config.exs). Every exclusion says
-# why. Ops without a native MLX path run through the Nx.BinaryBackend fallback here;
-# `EMILY_FALLBACK=raise` runs the same suites with native paths only.
+# (`add_backend_on_inspect` is off under test: config/config.exs). Ops without a native
+# MLX path run through the Nx.BinaryBackend fallback here; `EMILY_FALLBACK=raise` runs
+# the same suites with native paths only.
+#
+# Exclusions are single doctests, not whole functions (Emily.NxDocTest), each with its
+# reason; the names number the module's doctests as `doctest Module` does.
 if Code.ensure_loaded?(Nx) do
   defmodule Emily.Nx.DoctestTest do
     use ExUnit.Case, async: true
+    import Emily.NxDocTest
     @moduletag :nx
 
     setup do
@@ -13,18 +17,16 @@ if Code.ensure_loaded?(Nx) do
       :ok
     end
 
-    # Within an ulp or two, but the doctest compares printed digits.
-    @rounding_error [
-      # MLX's f64 log1p(2.0) is 1.0986122886681096, the correctly rounded value (C's
-      # log1p agrees); the doctest prints Erlang's 1.0986122886681098.
-      log1p: 1
-    ]
-
-    doctest Nx, except: @rounding_error
+    doctest_skipping(Nx, %{
+      "log1p/1 (484)" =>
+        "rounding: MLX's f64 log1p(2.0) is 1.0986122886681096, the correctly rounded " <>
+          "value (C's log1p agrees); the doctest prints Erlang's 1.0986122886681098"
+    })
   end
 
   defmodule Emily.Nx.LinAlgDoctestTest do
     use ExUnit.Case, async: true
+    import Emily.NxDocTest
     @moduletag :nx
 
     setup do
@@ -32,29 +34,31 @@ if Code.ensure_loaded?(Nx) do
       :ok
     end
 
-    # f32 results that differ from Nx.BinaryBackend's in the last printed digit: MLX
-    # computes f32 in f32, BinaryBackend computes in f64 and rounds once at the end.
-    @rounding_error [
-      cholesky: 1,
-      pinv: 2,
-      lu: 1,
-      matrix_power: 2,
-      least_squares: 3
-    ]
+    # These doctests print the f32 rounding errors of Nx's own algorithms (Householder
+    # QR, Jacobi SVD, Cholesky-Banachiewicz, ...), which Emily replaces with LAPACK's
+    # (through MLX): both results are within a few f32 ulps of the exact one, but the
+    # printed last digits differ. The exact values are noted.
+    @rounding %{
+      "cholesky/1 (4)" =>
+        "L's second row: Nx prints [2.1213205, 0.7071065], Emily [2.1213202, 0.7071071]; " <>
+          "exact 3/sqrt(2) = 2.1213203..., sqrt(1/2) = 0.7071067...",
+      "cholesky/1 (7)" => "as cholesky/1 (4), vectorized",
+      "pinv/2 (67)" =>
+        "the exact inverse is [[4, -1], [-3, 1]]; Nx prints -1.0000169 and 1.000013, Emily -1.0000144 and 1.0000111 (both via an SVD)",
+      "pinv/2 (68)" => "exact entries 1.0; Nx prints 0.99999994 twice, Emily once",
+      "lu/1 (79)" =>
+        "p.l.u reconstructs the input exactly here (4.0, 1.0); Nx prints 3.9999998 and 0.9999999",
+      "matrix_power/2 (87)" =>
+        "exact -110.375, 76.875, 92.25, -64.25; Nx prints -110.37471 etc., Emily -110.375015 etc.",
+      "least_squares/3 (107)" => "exact -0.95; Nx prints -0.95000035, Emily -0.95000017"
+    }
 
-    # Where the op table has MLX's linear algebra (LAPACK), Emily solves with it instead
-    # of Nx's own algorithms: solve, triangular_solve and svd then differ in the last f32
-    # digit, qr's Q can differ in the sign of a column (with R's row), and a singular
-    # triangular system gives inf/NaN instead of raising.
-    @lapack if Emily.Backend.Catalogue.row?(:solve_triangular, [:a, :b, :upper]),
-              do: [solve: 2, triangular_solve: 3, svd: 2, qr: 2],
-              else: []
-
-    doctest Nx.LinAlg, except: @rounding_error ++ @lapack
+    doctest_skipping(Nx.LinAlg, @rounding)
   end
 
   defmodule Emily.Nx.RandomDoctestTest do
     use ExUnit.Case, async: true
+    import Emily.NxDocTest
     @moduletag :nx
 
     setup do
@@ -62,15 +66,12 @@ if Code.ensure_loaded?(Nx) do
       :ok
     end
 
-    # The same keys give the same bits; the normal samples then differ from
-    # Nx.BinaryBackend's in the last printed f32 digit (f32 vs f64-then-rounded
-    # arithmetic in the Box-Muller/erf_inv steps).
-    @rounding_error [
-      normal: 4,
-      multivariate_normal: 4
-    ]
-
-    doctest Nx.Random, except: @rounding_error
+    # The same keys give the same bits and the same samples as Nx.BinaryBackend.
+    doctest_skipping(Nx.Random, %{
+      "normal/4 (19)" =>
+        "rounding: the mean of 1000 f32 samples prints 9.700221 (MLX sums f32 in f32) " <>
+          "where Nx.BinaryBackend (which sums in f64) prints 9.700222"
+    })
   end
 
   # Nx's backend documentation guides, where the Nx dependency ships them.

@@ -11,8 +11,8 @@ defmodule Emily.Backend.Storage do
   #   * f8 (E5M2), f8_e4m3fn and c128 are kept as their raw bytes (u8), with a trailing
   #     axis of the element's byte size where that is more than one.
   #
-  # Ops on these types go through the Nx.BinaryBackend fallback, which reads and writes
-  # Nx's own (packed) layout through `to_nx_binary/2` and `from_nx_binary/2`.
+  # Sub-byte types are packed and unpacked on the device (Emily.Backend's to_binary and
+  # from_binary). Ops on all of these types go through the Nx.BinaryBackend fallback.
 
   @native [
     {:u, 8},
@@ -52,25 +52,7 @@ defmodule Emily.Backend.Storage do
   def shape({:c, 128}, shape), do: Tuple.insert_at(shape, tuple_size(shape), 16)
   def shape(_type, shape), do: shape
 
-  @doc "Nx's layout of `type` (packed for sub-byte types) to the storage layout."
-  def from_nx_binary(bin, {:u, bits}) when bits < 8,
-    do: for(<<x::unsigned-integer-native-size(bits) <- bin>>, into: <<>>, do: <<x::8>>)
-
-  def from_nx_binary(bin, {:s, bits}) when bits < 8,
-    do: for(<<x::signed-integer-native-size(bits) <- bin>>, into: <<>>, do: <<x::signed-8>>)
-
-  def from_nx_binary(bin, _type), do: bin
-
   @doc "The storage layout to Nx's layout of `type`, keeping the first `limit` elements."
-  def to_nx_binary(bin, {kind, bits}, limit) when bits < 8 do
-    bin = binary_part(bin, 0, min(limit, byte_size(bin)))
-
-    case kind do
-      :u -> for <<x::8 <- bin>>, into: <<>>, do: <<x::unsigned-integer-native-size(bits)>>
-      :s -> for <<x::signed-8 <- bin>>, into: <<>>, do: <<x::signed-integer-native-size(bits)>>
-    end
-  end
-
   def to_nx_binary(bin, {_, bits}, limit) do
     binary_part(bin, 0, min(limit * div(bits, 8), byte_size(bin)))
   end
