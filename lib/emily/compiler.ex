@@ -13,10 +13,19 @@ if Code.ensure_loaded?(Nx) do
     the stream, `while` and `cond` predicates are read on the host, and `Nx.block/4`
     reaches `Emily.Backend.block/4`. Inputs that are not Emily tensors are copied in.
 
-    A **native path** (the graph lowered once into a native MLX program and replayed in
-    one call per run) is planned. Until it exists, `native: true` is accepted and runs
-    the evaluator path, emitting `[:emily, :compiler, :evaluator_fallback]` telemetry
-    with `%{reason: :no_native_program}`.
+    The **native path** (`native: true`) lowers the graph once, at compile time, into
+    one `Emily.Program` and replays it per run in one native call on the stream, with
+    the inputs (and the graph's captured tensors) as the program's inputs; with
+    `compile: true` the program is also fused with `mx::compile`. It lowers parameters,
+    constants, captured tensors, elementwise unary and binary ops (comparisons and
+    logical ops give Nx's u8), `as_type` (but not float or complex to integer),
+    `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `dot` (batched too),
+    `sum`/`product`/`reduce_max`/`reduce_min`/`all`/`any`, `select`, `clip`, static
+    `slice` and `concatenate`, over the types MLX computes with (not f64 on a GPU). A
+    graph with anything else (`while`, `cond`, hooks, tokens, blocks, other ops, other
+    types, vectorized tensors) runs whole on the evaluator path and emits
+    `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
+    (`{:op, op}`, `{:type, type}`, ...). The evaluator path stays the default.
 
     ## Options
 
@@ -27,7 +36,8 @@ if Code.ensure_loaded?(Nx) do
         `Nx.Serving` with `partitions: true`; default 1.
       * `:hooks` - named `io_call` callbacks, as `Nx.Defn.Evaluator` takes them (this is
         how `Nx.Serving` streams and how `print_value` hooks are overridden).
-      * `:native` - see above.
+      * `:native` - `true` for the native path (see above).
+      * `:compile` - with `native: true`, compile the program with `mx::compile`.
 
     Other options are accepted and passed through (libraries such as Axon pass their
     own).
@@ -44,20 +54,76 @@ if Code.ensure_loaded?(Nx) do
 
     @impl true
     def __compile__(key, vars, fun, opts) do
-      # The native path plugs in here: lower `fun.(vars)` once to a native MLX program
-      # and return a runner that replays it per argument list, sending the graphs it
-      # cannot lower to the evaluator below with this same telemetry event.
       if opts[:native] do
-        evaluator_fallback(:no_native_program)
+        native(key, vars, fun, opts)
+      else
+        evaluator(key, vars, fun, opts)
       end
-
-      evaluator(key, vars, fun, opts)
     end
+
+    # The graph is lowered once, here; each run replays the program in one native call.
+    defp native(key, vars, fun, opts) do
+      device =
+        cond do
+          device = opts[:device] -> device
+          stream = opts[:stream] -> Emily.Stream.device(stream)
+          true -> Emily.default_device()
+        end
+
+      case catch_unsupported(fn ->
+             Emily.Compiler.Native.lower(vars, fun, opts ++ [device: device])
+           end) do
+        {:ok, {program, extras, template}} ->
+          extras = Enum.map(extras, & &1.data.ref)
+
+          fn args_list ->
+            Enum.map(args_list, &run_native(program, extras, template, &1, opts))
+          end
+
+        {:unsupported, reason} ->
+          evaluator_fallback(reason)
+          evaluator(key, vars, fun, opts)
+      end
+    end
+
+    defp catch_unsupported(fun) do
+      {:ok, fun.()}
+    catch
+      {:unsupported, reason} -> {:unsupported, reason}
+    end
+
+    defp run_native(program, extras, template, args, opts) do
+      s =
+        opts[:stream] || Emily.Stream.selected() ||
+          if(device = opts[:device],
+            do: Emily.Stream.default(device),
+            else: Emily.Stream.current()
+          )
+
+      backend = {Emily.Backend, device: Emily.Stream.device(s)}
+      inputs = Enum.map(args, &native_input(&1.(), backend)) ++ extras
+      refs = Emily.Program.run(program, inputs, stream: s)
+
+      {result, []} =
+        Nx.Defn.Composite.traverse(template, refs, fn t, [ref | rest] ->
+          {%{t | data: %Emily.Backend{ref: ref, stream: s}}, rest}
+        end)
+
+      result
+    end
+
+    defp native_input(%Nx.Tensor{data: %Emily.Backend{ref: ref}}, _backend), do: ref
+
+    defp native_input(%Nx.Tensor{} = t, backend),
+      do: Nx.backend_copy(t, backend).data.ref
+
+    defp native_input(number, backend) when is_number(number),
+      do: Nx.backend_copy(Nx.tensor(number, backend: Nx.BinaryBackend), backend).data.ref
 
     defp evaluator(key, vars, fun, opts) do
       backend = __to_backend__(opts)
       stream = opts[:stream]
-      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native])
+      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
 
       compiled =
         in_context(stream, backend, fn ->

@@ -1,0 +1,362 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Compiler.Native do
+    @moduledoc false
+    # The native path of Emily.Compiler: an `Nx.Defn.Expr` graph lowered once into one
+    # `Emily.Program` (instructions over the op table), replayed per run in one native
+    # call. `lower/3` throws `{:unsupported, reason}` on anything outside the subset it
+    # knows; the compiler then runs the whole graph on the evaluator path.
+    #
+    # Each node is lowered with the same casts Emily.Backend applies eagerly (operands
+    # cast to the node's type, comparisons in the merged type then cast to u8), so both
+    # paths compute the same MLX ops.
+
+    alias Nx.Defn.{Composite, Expr}
+    alias Nx.Tensor, as: T
+    alias Emily.Backend.Storage
+
+    @unary %{
+      exp: :exp,
+      expm1: :expm1,
+      log: :log,
+      log1p: :log1p,
+      sigmoid: :sigmoid,
+      cos: :cos,
+      sin: :sin,
+      tan: :tan,
+      cosh: :cosh,
+      sinh: :sinh,
+      tanh: :tanh,
+      acos: :arccos,
+      asin: :arcsin,
+      atan: :arctan,
+      acosh: :arccosh,
+      asinh: :arcsinh,
+      atanh: :arctanh,
+      sqrt: :sqrt,
+      rsqrt: :rsqrt,
+      erf: :erf,
+      erfc: :erfc,
+      cbrt: :cbrt,
+      round: :round_half_away,
+      population_count: :population_count,
+      count_leading_zeros: :count_leading_zeros,
+      bitwise_not: :bitwise_invert,
+      negate: :negative,
+      sign: :sign
+    }
+
+    @binary %{
+      add: :add,
+      subtract: :subtract,
+      multiply: :multiply,
+      divide: :divide,
+      pow: :power,
+      atan2: :arctan2,
+      min: :minimum,
+      max: :maximum,
+      bitwise_and: :bitwise_and,
+      bitwise_or: :bitwise_or,
+      bitwise_xor: :bitwise_xor,
+      left_shift: :left_shift,
+      right_shift: :right_shift,
+      # Nx's remainder has the dividend's sign and its quotient truncates.
+      remainder: :fmod,
+      quotient: :trunc_divide
+    }
+
+    @compare %{
+      equal: :equal,
+      not_equal: :not_equal,
+      greater: :greater,
+      less: :less,
+      greater_equal: :greater_equal,
+      less_equal: :less_equal
+    }
+
+    @logical %{logical_and: :logical_and, logical_or: :logical_or, logical_xor: :not_equal}
+
+    @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
+
+    # Integers beyond this do not survive the op table's `float` argument exactly.
+    @max_exact 9_007_199_254_740_992
+
+    @doc false
+    # Lowers `fun.(vars)`. Returns `{program, extras, output}`: extras are the captured
+    # tensors (as Emily tensors on `device`) passed after the parameters, output the
+    # result container of templates. Throws `{:unsupported, reason}`.
+    def lower(vars, fun, opts) do
+      device = Keyword.fetch!(opts, :device)
+      flat_vars = Composite.flatten_list(vars)
+
+      if Enum.any?(flat_vars, &(&1.vectorized_axes != [])),
+        do: throw({:unsupported, :vectorized})
+
+      result = fun.(vars)
+      outputs = Composite.flatten_list([result])
+
+      if Enum.any?(outputs, &(not match?(%T{data: %Expr{}}, &1) or &1.vectorized_axes != [])),
+        do: throw({:unsupported, :vectorized})
+
+      params = length(flat_vars)
+      tensors = collect_tensors(outputs, {%{}, []}) |> elem(1) |> Enum.reverse()
+      extra_slots = tensors |> Enum.with_index(params) |> Map.new(fn {t, i} -> {t.data.id, i} end)
+      extras = Enum.map(tensors, &to_device(&1.data.args |> hd(), device))
+
+      st = %{
+        next: params + length(extras),
+        instrs: [],
+        memo: extra_slots,
+        device: device
+      }
+
+      {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)
+
+      program =
+        Emily.Program.new(Enum.reverse(st.instrs),
+          inputs: params + length(extras),
+          outputs: slots,
+          compile: Keyword.get(opts, :compile, false)
+        )
+
+      {template, []} =
+        Composite.traverse(result, outputs, fn _, [t | rest] -> {Nx.to_template(t), rest} end)
+
+      {program, extras, template}
+    end
+
+    defp to_device(%T{data: %Emily.Backend{}} = t, _device), do: t
+    defp to_device(%T{} = t, device), do: Nx.backend_copy(t, {Emily.Backend, device: device})
+
+    # The `:tensor` nodes of the graph, in first-seen order.
+    defp collect_tensors([], acc), do: acc
+
+    defp collect_tensors([%T{data: %Expr{id: id, op: op, args: args}} = t | rest], {seen, acc}) do
+      acc =
+        cond do
+          Map.has_key?(seen, id) -> {seen, acc}
+          op == :tensor -> {Map.put(seen, id, true), [t | acc]}
+          true -> collect_tensors(args_tensors(args), {Map.put(seen, id, true), acc})
+        end
+
+      collect_tensors(rest, acc)
+    end
+
+    defp collect_tensors([_ | rest], acc), do: collect_tensors(rest, acc)
+
+    defp args_tensors(args) do
+      Enum.flat_map(args, fn
+        %T{} = t -> [t]
+        list when is_list(list) -> Enum.filter(list, &match?(%T{}, &1))
+        _ -> []
+      end)
+    end
+
+    defp lower_node(%T{data: %Expr{id: id}} = t, st) do
+      case st.memo do
+        %{^id => slot} ->
+          {slot, st}
+
+        _ ->
+          check_type(t.type, st.device)
+          {slot, st} = lower_op(t.data.op, t.data.args, t, st)
+          {slot, %{st | memo: Map.put(st.memo, id, slot)}}
+      end
+    end
+
+    defp check_type(type, device) do
+      cond do
+        not Storage.native?(type) -> throw({:unsupported, {:type, type}})
+        type == {:f, 64} and device == :gpu -> throw({:unsupported, {:type, type}})
+        true -> :ok
+      end
+    end
+
+    defp lower_op(:parameter, [i], _t, st), do: {i, st}
+    defp lower_op(:metadata, [expr, _meta], _t, st), do: lower_node(expr, st)
+
+    defp lower_op(:constant, [value], %T{type: type, shape: shape}, st) do
+      value =
+        case value do
+          v when is_integer(v) and abs(v) < @max_exact -> v
+          v when is_float(v) -> v
+          v when v in [:nan, :infinity, :neg_infinity] -> v
+          _ -> throw({:unsupported, {:constant, value}})
+        end
+
+      if match?({:c, _}, type), do: throw({:unsupported, {:constant, type}})
+      emit(st, :full, [shape, value, type])
+    end
+
+    defp lower_op(op, [x], %T{type: type}, st) when is_map_key(@unary, op) do
+      {x, st} = operand(x, type, st)
+      emit(st, Map.fetch!(@unary, op), [x])
+    end
+
+    defp lower_op(:abs, [%T{type: {:u, _}} = x], _t, st), do: lower_node(x, st)
+
+    defp lower_op(:abs, [x], %T{type: type}, st) do
+      {x, st} = if match?({:c, _}, x.type), do: lower_node(x, st), else: operand(x, type, st)
+      emit(st, :abs, [x])
+    end
+
+    defp lower_op(op, [x], %T{type: type}, st) when op in [:ceil, :floor] do
+      {x, st} = operand(x, type, st)
+
+      case type do
+        {k, _} when k in [:u, :s] -> {x, st}
+        _ -> emit(st, op, [x])
+      end
+    end
+
+    defp lower_op(op, [%T{type: {k, _}} = x], %T{type: type}, st)
+         when op in [:is_nan, :is_infinity] and k in [:f, :bf] do
+      {x, st} = lower_node(x, st)
+      {y, st} = emit(st, if(op == :is_nan, do: :isnan, else: :isinf), [x])
+      emit(st, :astype, [y, type])
+    end
+
+    defp lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@binary, op) do
+      {l, st} = operand(l, type, st)
+      {r, st} = operand(r, type, st)
+      emit(st, Map.fetch!(@binary, op), [l, r])
+    end
+
+    defp lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@compare, op) do
+      common = Nx.Type.merge(l.type, r.type)
+      {l, st} = operand(l, common, st)
+      {r, st} = operand(r, common, st)
+      {y, st} = emit(st, Map.fetch!(@compare, op), [l, r])
+      emit(st, :astype, [y, type])
+    end
+
+    defp lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@logical, op) do
+      {l, st} = operand(l, :bool, st)
+      {r, st} = operand(r, :bool, st)
+      {y, st} = emit(st, Map.fetch!(@logical, op), [l, r])
+      emit(st, :astype, [y, type])
+    end
+
+    defp lower_op(:as_type, [%T{type: from} = x], %T{type: to}, st) do
+      case {from, to} do
+        {{fk, _}, {tk, _}} when fk in [:f, :bf] and tk in [:u, :s] ->
+          throw({:unsupported, {:as_type, from, to}})
+
+        {{:c, _}, _} ->
+          throw({:unsupported, {:as_type, from, to}})
+
+        _ ->
+          operand(x, to, st)
+      end
+    end
+
+    defp lower_op(:reshape, [x], %T{shape: shape}, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :reshape, [x, shape])
+    end
+
+    defp lower_op(:squeeze, [x, axes], _t, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :squeeze, [x, axes])
+    end
+
+    defp lower_op(:transpose, [x, axes], _t, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :transpose, [x, axes])
+    end
+
+    defp lower_op(:reverse, [x, axes], _t, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :flip, [x, axes])
+    end
+
+    defp lower_op(:broadcast, [x, shape, axes], %T{type: type}, st) do
+      rank = tuple_size(shape)
+      {slot, st} = operand(x, type, st)
+
+      {slot, st} =
+        if tuple_size(x.shape) == rank and axes == Enum.to_list(0..(rank - 1)//1) do
+          {slot, st}
+        else
+          dims =
+            x.shape
+            |> Tuple.to_list()
+            |> Enum.zip(axes)
+            |> Enum.reduce(List.duplicate(1, rank), fn {d, a}, acc ->
+              List.replace_at(acc, a, d)
+            end)
+
+          emit(st, :reshape, [slot, List.to_tuple(dims)])
+        end
+
+      emit(st, :broadcast_to, [slot, shape])
+    end
+
+    defp lower_op(:dot, [l, cl, bl, r, cr, br], %T{type: type}, st) do
+      {l, st} = operand(l, type, st)
+      {r, st} = operand(r, type, st)
+      emit(st, :dot, [l, cl, bl, r, cr, br])
+    end
+
+    defp lower_op(op, [x, opts], %T{type: type}, st) when is_map_key(@reduce, op) do
+      {slot, st} = operand(x, type, st)
+      emit(st, Map.fetch!(@reduce, op), [slot, axes(x, opts[:axes]), opts[:keep_axes] || false])
+    end
+
+    defp lower_op(op, [x, opts], %T{type: type}, st) when op in [:all, :any] do
+      {slot, st} = lower_node(x, st)
+      {y, st} = emit(st, op, [slot, axes(x, opts[:axes]), opts[:keep_axes] || false])
+      emit(st, :astype, [y, type])
+    end
+
+    defp lower_op(:select, [pred, on_true, on_false], %T{type: type}, st) do
+      {p, st} = operand(pred, :bool, st)
+      {a, st} = operand(on_true, type, st)
+      {b, st} = operand(on_false, type, st)
+      emit(st, :where, [p, a, b])
+    end
+
+    defp lower_op(:clip, [x, lo, hi], %T{type: type}, st) do
+      {x, st} = operand(x, type, st)
+      {lo, st} = operand(lo, type, st)
+      {hi, st} = operand(hi, type, st)
+      emit(st, :clip, [x, lo, hi])
+    end
+
+    defp lower_op(:slice, [x, starts, lengths, strides], _t, st) do
+      if not Enum.all?(starts, &is_integer/1), do: throw({:unsupported, :dynamic_slice})
+      {slot, st} = lower_node(x, st)
+
+      starts =
+        [Tuple.to_list(x.shape), starts, lengths]
+        |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
+
+      stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+      emit(st, :slice, [slot, starts, stops, strides])
+    end
+
+    defp lower_op(:concatenate, [tensors, axis], %T{type: type}, st) do
+      {slots, st} = Enum.map_reduce(tensors, st, &operand(&1, type, &2))
+      emit(st, :concatenate, [slots, axis])
+    end
+
+    # A tuple's element: the tuple comes from `while`, `cond`, a block or the like.
+    defp lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
+      do: throw({:unsupported, {:op, op}})
+
+    defp lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
+
+    defp axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
+    defp axes(_x, axes), do: axes
+
+    # The slot of `x` cast to `type` (a plain MLX cast, as Emily.Backend's operands).
+    defp operand(%T{type: from} = x, to, st) do
+      {slot, st} = lower_node(x, st)
+      if from == to, do: {slot, st}, else: emit(st, :astype, [slot, to])
+    end
+
+    defp emit(st, op, args) do
+      slot = st.next
+      {slot, %{st | next: slot + 1, instrs: [{op, args} | st.instrs]}}
+    end
+  end
+end

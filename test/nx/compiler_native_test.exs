@@ -1,0 +1,198 @@
+# Emily.Compiler's native path (the graph lowered once into one Emily.Program): the same
+# defn functions through the native path (with and without mx::compile), the evaluator
+# path and Nx.Defn.Evaluator on Nx.BinaryBackend agree; graphs outside the lowered subset
+# fall back to the evaluator with telemetry.
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Nx.CompilerNativeTest do
+    use ExUnit.Case, async: false
+    @moduletag :nx
+
+    import Nx.Defn
+    import Emily.NxOracle
+    alias Emily.NxOracle, as: O
+
+    defn softmax(x) do
+      e = Nx.exp(x - Nx.reduce_max(x, axes: [-1], keep_axes: true))
+      e / Nx.sum(e, axes: [-1], keep_axes: true)
+    end
+
+    defn mlp(x, {w1, b1, w2, b2}) do
+      x |> Nx.dot(w1) |> Nx.add(b1) |> Nx.tanh() |> Nx.dot(w2) |> Nx.add(b2) |> softmax()
+    end
+
+    defn attention(q, k, v) do
+      scores = Nx.dot(q, [2], [0], k, [2], [0]) / Nx.sqrt(Nx.axis_size(q, 2))
+      Nx.dot(softmax(scores), [2], [0], v, [1], [0])
+    end
+
+    defn chain(x, y, i) do
+      a = Nx.sigmoid(x) * Nx.cos(y) - Nx.abs(x) / (1 + Nx.exp(-y))
+      b = Nx.select(x > y, a, Nx.clip(a, -0.5, 0.5))
+      c = Nx.as_type(i, :f32) * 0.25 + Nx.max(x, y) - Nx.min(x, 0.1)
+      {b + c, Nx.logical_and(x >= 0, i != 2), Nx.remainder(i, 3) + Nx.quotient(i, 2) * i}
+    end
+
+    defn reductions(x) do
+      {Nx.sum(x), Nx.mean(x, axes: [1]), Nx.reduce_max(x, axes: [0], keep_axes: true),
+       Nx.reduce_min(x, axes: [1, 2]), Nx.product(x / 4 + 1, axes: [2]),
+       Nx.all(x > -3, axes: [0]), Nx.any(x > 1.5)}
+    end
+
+    defn shapes(x, y) do
+      t = x |> Nx.transpose(axes: [1, 0, 2]) |> Nx.reshape({3, 8}) |> Nx.reverse(axes: [1])
+      s = Nx.slice(t, [1, 2], [2, 4], strides: [1, 2])
+      c = Nx.concatenate([t, Nx.as_type(y, :f32)], axis: 0)
+      b = Nx.new_axis(Nx.sum(x, axes: [2]), 0) |> Nx.squeeze(axes: [0])
+      {s, c, b + Nx.broadcast(Nx.tensor([1.0, 2.0, 3.0]), {2, 3})}
+    end
+
+    defn powers(x) do
+      {_i, acc, _x} =
+        while {i = 0, acc = x, x}, i < 4 do
+          {i + 1, acc * x + 1, x}
+        end
+
+      acc
+    end
+
+    defn(truncate(x), do: Nx.as_type(x * 3, :s32))
+
+    def forward(_event, _measurements, meta, {pid, ref}), do: send(pid, {ref, meta})
+
+    defp with_fallbacks(fun) do
+      ref = make_ref()
+      name = inspect(ref)
+
+      :telemetry.attach(
+        name,
+        [:emily, :compiler, :evaluator_fallback],
+        &__MODULE__.forward/4,
+        {self(), ref}
+      )
+
+      try do
+        result = fun.()
+        {result, collect(ref, [])}
+      after
+        :telemetry.detach(name)
+      end
+    end
+
+    defp collect(ref, acc) do
+      receive do
+        {^ref, meta} -> collect(ref, [meta | acc])
+      after
+        0 -> Enum.reverse(acc)
+      end
+    end
+
+    defp ejit(fun, opts \\ []), do: Nx.Defn.jit(fun, [compiler: Emily.Compiler] ++ opts)
+
+    # Runs `fun` on every path and asserts they agree with Nx.BinaryBackend, and that
+    # the native runs did not fall back.
+    defp check_paths(fun, args, opts \\ []) do
+      expected =
+        Nx.with_default_backend(Nx.BinaryBackend, fn ->
+          apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
+        end)
+
+      assert_same(apply(ejit(fun), args), expected, opts)
+
+      for compile <- [false, true] do
+        {out, fallbacks} =
+          with_fallbacks(fn -> apply(ejit(fun, native: true, compile: compile), args) end)
+
+        assert fallbacks == [], "native path fell back: #{inspect(fallbacks)}"
+        assert_same(out, expected, opts)
+      end
+    end
+
+    test "MLP forward" do
+      x = O.tensor({4, 5}, {:f, 32})
+
+      params =
+        {O.tensor({5, 8}, {:f, 32}), O.tensor({8}, {:f, 32}), O.tensor({8, 3}, {:f, 32}),
+         O.tensor({3}, {:f, 32})}
+
+      check_paths(&mlp/2, [x, params])
+    end
+
+    test "softmax" do
+      check_paths(&softmax/1, [O.tensor({3, 7}, {:f, 32})])
+    end
+
+    test "attention block (batched dots)" do
+      q = O.tensor({2, 4, 8}, {:f, 32})
+      k = O.tensor({2, 5, 8}, {:f, 32})
+      v = O.tensor({2, 5, 6}, {:f, 32})
+      check_paths(&attention/3, [q, k, v])
+    end
+
+    test "elementwise chain with comparisons, select, clip, integer ops" do
+      x = O.tensor({3, 4}, {:f, 32})
+      y = O.tensor({3, 4}, {:f, 32})
+      i = Nx.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [-1, -2, -3, -4]], type: :s32)
+      check_paths(&chain/3, [x, y, i])
+    end
+
+    test "reductions with axes and keep_axes" do
+      check_paths(&reductions/1, [O.tensor({2, 3, 4}, {:f, 32})])
+    end
+
+    test "shape ops, slices, concatenation and captured tensors" do
+      x = O.tensor({2, 3, 4}, {:f, 32})
+      y = Nx.iota({2, 8}, type: :s32)
+      check_paths(&shapes/2, [x, y])
+    end
+
+    test "f16 and integer inputs" do
+      check_paths(&softmax/1, [O.tensor({2, 5}, {:f, 16})])
+
+      check_paths(&chain/3, [
+        O.tensor({2, 2}, {:f, 16}),
+        O.tensor({2, 2}, {:f, 16}),
+        Nx.tensor([[1, 2], [3, 4]], type: :s32)
+      ])
+    end
+
+    test "lowers once and replays per run with new inputs" do
+      compiled =
+        Nx.Defn.compile(&softmax/1, [Nx.template({2, 3}, {:f, 32})],
+          compiler: Emily.Compiler,
+          native: true
+        )
+
+      for _ <- 1..3 do
+        x = O.tensor({2, 3}, {:f, 32})
+        assert_same(compiled.(x), Nx.with_default_backend(Nx.BinaryBackend, fn -> softmax(x) end))
+      end
+    end
+
+    test "a graph with while falls back with telemetry and still computes" do
+      x = Nx.tensor([1.0, 2.0])
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&powers/1, native: true).(x) end)
+      assert [%{reason: {:op, :while}}] = fallbacks
+      # acc -> acc * x + 1, four times from acc = x: 1 -> 5; 2 -> 5, 11, 23, 47.
+      assert Nx.to_flat_list(out) == [5.0, 47.0]
+    end
+
+    test "float to integer as_type falls back with its reason" do
+      x = Nx.tensor([0.4, -1.5, 2.0])
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&truncate/1, native: true).(x) end)
+      assert [%{reason: {:as_type, {:f, 32}, {:s, 32}}}] = fallbacks
+      assert Nx.to_flat_list(out) == [1, -4, 6]
+    end
+
+    test "the evaluator stays the default" do
+      {_out, fallbacks} = with_fallbacks(fn -> ejit(&powers/1).(Nx.tensor([1.0])) end)
+      assert fallbacks == []
+    end
+  end
+else
+  defmodule Emily.Nx.CompilerNativeTest do
+    use ExUnit.Case, async: true
+    @moduletag :nx
+    require Emily.NxAbsent
+    Emily.NxAbsent.placeholders()
+  end
+end
