@@ -46,6 +46,12 @@ if Code.ensure_loaded?(Nx) do
       {s, c, b + Nx.broadcast(Nx.tensor([1.0, 2.0, 3.0]), {2, 3})}
     end
 
+    defn masked(x) do
+      {n, m} = Nx.shape(x)
+      mask = Nx.iota({n, m}, axis: 0) >= Nx.iota({n, m}, axis: 1)
+      {Nx.select(mask, x, -1.0e9) |> softmax(), Nx.iota({2, 3}, type: :f16), Nx.iota({2, 3})}
+    end
+
     defn powers(x) do
       {_i, acc, _x} =
         while {i = 0, acc = x, x}, i < 4 do
@@ -145,14 +151,23 @@ if Code.ensure_loaded?(Nx) do
       check_paths(&shapes/2, [x, y])
     end
 
+    test "iota (a causal mask)" do
+      check_paths(&masked/1, [O.tensor({4, 4}, {:f, 32})])
+    end
+
     test "f16 and integer inputs" do
       check_paths(&softmax/1, [O.tensor({2, 5}, {:f, 16})])
 
-      check_paths(&chain/3, [
-        O.tensor({2, 2}, {:f, 16}),
-        O.tensor({2, 2}, {:f, 16}),
-        Nx.tensor([[1, 2], [3, 4]], type: :s32)
-      ])
+      # The f32 result is built from f16 intermediates: f16's tolerance.
+      check_paths(
+        &chain/3,
+        [
+          O.tensor({2, 2}, {:f, 16}),
+          O.tensor({2, 2}, {:f, 16}),
+          Nx.tensor([[1, 2], [3, 4]], type: :s32)
+        ],
+        tol: O.tol({:f, 16})
+      )
     end
 
     test "lowers once and replays per run with new inputs" do

@@ -187,6 +187,27 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :full, [shape, value, type])
     end
 
+    defp lower_op(:iota, [axis], %T{type: type, shape: shape}, st) do
+      if match?({:c, _}, type), do: throw({:unsupported, {:iota, type}})
+      # MLX's arange has no 16-bit floats: count in f32 and cast, as Emily.Backend does.
+      count_type =
+        if match?({_, 16}, type) and elem(type, 0) in [:f, :bf], do: {:f, 32}, else: type
+
+      n = if axis == nil, do: Tuple.product(shape), else: elem(shape, axis)
+      {x, st} = emit(st, :arange, [0, n, 1, count_type])
+      {x, st} = if count_type == type, do: {x, st}, else: emit(st, :astype, [x, type])
+
+      if axis == nil do
+        emit(st, :reshape, [x, shape])
+      else
+        dims =
+          shape |> Tuple.to_list() |> Enum.with_index(fn d, i -> if i == axis, do: d, else: 1 end)
+
+        {x, st} = emit(st, :reshape, [x, List.to_tuple(dims)])
+        emit(st, :broadcast_to, [x, shape])
+      end
+    end
+
     defp lower_op(op, [x], %T{type: type}, st) when is_map_key(@unary, op) do
       {x, st} = operand(x, type, st)
       emit(st, Map.fetch!(@unary, op), [x])
