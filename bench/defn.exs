@@ -1,12 +1,14 @@
 # defn on Emily: an MLP forward pass and a transformer block, run through Emily.Compiler
-# (evaluator path, every node a lazy MLX op) beside Nx.Defn.Evaluator on Nx.BinaryBackend,
-# in one run. Needs Nx: run it from a Mix project with both Emily and Nx as dependencies,
+# (evaluator path, every node a lazy MLX op; native path, the graph lowered once into one
+# Emily.Program, with and without mx::compile) beside Nx.Defn.Evaluator on
+# Nx.BinaryBackend, in one run. Needs Nx: run it from a Mix project with both Emily and Nx as dependencies,
 # in a non-test environment (the test config checks every op's result):
 #
 #     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick]
 #
 # Prints the graph's op count, the median time per call of each (the result read back
-# to the host, so the MLX work is included), the ratio, and Emily's time per op.
+# to the host, so the MLX work is included), the ratio, and Emily's time per op; then
+# the native path's times.
 unless Code.ensure_loaded?(Nx) do
   raise "bench/defn.exs needs Nx (see the comment at the top)"
 end
@@ -138,6 +140,29 @@ defmodule Bench.Defn do
         String.pad_leading("#{Float.round(t_emily / ops, 1)} us", 10) <>
         "   max |diff| #{Float.round(diff, 7)}"
     )
+
+    native(name, fun, emily_args, b, emily_runs, t_emily)
+  end
+
+  # The native path, plain and compiled with mx::compile, against the evaluator path.
+  defp native(name, fun, emily_args, expected, runs, t_emily) do
+    for compile <- [false, true] do
+      jit = Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, compile: compile)
+      out = jit |> apply(emily_args) |> Nx.backend_copy(Nx.BinaryBackend)
+      diff = out |> Nx.subtract(expected) |> Nx.abs() |> Nx.reduce_max() |> Nx.to_number()
+      t = median_us(fn -> jit |> apply(emily_args) |> Nx.to_binary() end, runs)
+      label = if compile, do: "  native, mx::compile", else: "  native"
+
+      IO.puts(
+        String.pad_trailing(label, 34) <>
+          String.pad_leading("", 5) <>
+          String.pad_leading(fmt(t), 12) <>
+          String.pad_leading("", 14) <>
+          String.pad_leading("#{Float.round(t_emily / t, 2)}x", 10) <>
+          String.pad_leading("", 10) <>
+          "   max |diff| #{Float.round(diff, 7)}   (vs evaluator path #{name})"
+      )
+    end
   end
 
   defp fmt(us) when us >= 10_000, do: "#{Float.round(us / 1000, 1)} ms"
