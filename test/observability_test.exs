@@ -181,29 +181,31 @@ defmodule Emily.ObservabilityTest do
     end
 
     test "assert_finite!/3 finds NaN and infinities in float results; integers pass" do
-      assert Emily.Debug.assert_finite!(s(), t([1.0, -2.5, 0.0]), :matmul) == :ok
-      assert Emily.Debug.assert_finite!(s(), t([1, 2], {:s, 32}), :matmul) == :ok
-      assert Emily.Debug.assert_finite!(s(), t([true], :bool), :matmul) == :ok
+      with_cpu(fn ->
+        assert Emily.Debug.assert_finite!(s(), t([1.0, -2.5, 0.0]), :matmul) == :ok
+        assert Emily.Debug.assert_finite!(s(), t([1, 2], {:s, 32}), :matmul) == :ok
+        assert Emily.Debug.assert_finite!(s(), t([true], :bool), :matmul) == :ok
 
-      for dtype <- [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}] do
-        e =
-          assert_raise Emily.Error, fn ->
-            Emily.Debug.assert_finite!(
-              s(),
-              t([1.0, :nan, :infinity, :neg_infinity], dtype),
-              :rms_norm
-            )
-          end
+        for dtype <- [{:f, 32}, {:f, 16}, {:bf, 16}, {:f, 64}] do
+          e =
+            assert_raise Emily.Error, fn ->
+              Emily.Debug.assert_finite!(
+                s(),
+                t([1.0, :nan, :infinity, :neg_infinity], dtype),
+                :rms_norm
+              )
+            end
 
-        assert e.message =~ "rms_norm: 3 NaN or infinite values"
-      end
+          assert e.message =~ "rms_norm: 3 NaN or infinite values"
+        end
 
-      # A list of tensors, and a lazy result (1 / 0).
-      inf = N.divide(s(), t([1.0]), t([0.0]))
+        # A list of tensors, and a lazy result (1 / 0).
+        inf = N.divide(s(), t([1.0]), t([0.0]))
 
-      assert_raise Emily.Error, ~r/1 NaN or infinite/, fn ->
-        Emily.Debug.assert_finite!(s(), [t([1.0]), inf], :eval)
-      end
+        assert_raise Emily.Error, ~r/1 NaN or infinite/, fn ->
+          Emily.Debug.assert_finite!(s(), [t([1.0]), inf], :eval)
+        end
+      end)
     end
   end
 end

@@ -242,15 +242,17 @@ defmodule Emily.Native.ConvTest do
     end
 
     test "f16, bf16 and f64" do
-      xv = seq(12)
-      kv = [1.0, -1.0, 0.5, 2.0]
-      {expected, _} = ref_conv(xv, {1, 2, 6}, kv, {2, 1, 2}, fg: 2)
+      with_cpu(fn ->
+        xv = seq(12)
+        kv = [1.0, -1.0, 0.5, 2.0]
+        {expected, _} = ref_conv(xv, {1, 2, 6}, kv, {2, 1, 2}, fg: 2)
 
-      for dt <- [{:f, 16}, {:bf, 16}, {:f, 64}] do
-        y = conv(t(xv, dt, {1, 2, 6}), t(kv, dt, {2, 1, 2}), fg: 2)
-        assert Emily.dtype(y) == dt
-        assert l(y) == expected
-      end
+        for dt <- [{:f, 16}, {:bf, 16}, {:f, 64}] do
+          y = conv(t(xv, dt, {1, 2, 6}), t(kv, dt, {2, 1, 2}), fg: 2)
+          assert Emily.dtype(y) == dt
+          assert l(y) == expected
+        end
+      end)
     end
   end
 

@@ -272,13 +272,15 @@ defmodule Emily.Native.IndexTest do
     end
 
     test "repeated indices: add sums all, put keeps one (the last, on the CPU)" do
-      z = t([0, 0, 0, 0], {:s, 32})
-      idx = i32([1, 3, 1, 1], {4, 1})
-      upd = i32([10, 20, 30, 40])
-      assert l(N.scatter_add(s(), z, idx, upd, [0])) == [0, 80, 0, 20]
-      # Nx leaves the winner of a repeated put unspecified; MLX's CPU kernel applies the
-      # updates in order.
-      assert l(N.scatter(s(), z, idx, upd, [0])) == [0, 40, 0, 20]
+      with_cpu(fn ->
+        z = t([0, 0, 0, 0], {:s, 32})
+        idx = i32([1, 3, 1, 1], {4, 1})
+        upd = i32([10, 20, 30, 40])
+        assert l(N.scatter_add(s(), z, idx, upd, [0])) == [0, 80, 0, 20]
+        # Nx leaves the winner of a repeated put unspecified; MLX's CPU kernel applies the
+        # updates in order.
+        assert l(N.scatter(s(), z, idx, upd, [0])) == [0, 40, 0, 20]
+      end)
     end
 
     test "max / min / prod" do

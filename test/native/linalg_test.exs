@@ -204,31 +204,33 @@ defmodule Emily.Native.LinalgTest do
     end
 
     test "matches the Elixir reference for several axis layouts and types" do
-      cases = [
-        # {shape_a, contract_a, batch_a, shape_b, contract_b, batch_b}
-        {{2, 3}, [1], [], {3, 4}, [0], []},
-        {{2, 3, 4}, [2], [0], {2, 4, 3}, [1], [0]},
-        {{4, 2, 3}, [0, 2], [], {3, 5, 4}, [2, 0], []},
-        {{3, 2, 4}, [0], [2], {4, 3, 2}, [1], [0]},
-        {{2, 2, 3, 2}, [2], [1, 3], {2, 3, 2, 2}, [1], [2, 0]},
-        {{5}, [0], [], {5}, [0], []}
-      ]
+      with_cpu(fn ->
+        cases = [
+          # {shape_a, contract_a, batch_a, shape_b, contract_b, batch_b}
+          {{2, 3}, [1], [], {3, 4}, [0], []},
+          {{2, 3, 4}, [2], [0], {2, 4, 3}, [1], [0]},
+          {{4, 2, 3}, [0, 2], [], {3, 5, 4}, [2, 0], []},
+          {{3, 2, 4}, [0], [2], {4, 3, 2}, [1], [0]},
+          {{2, 2, 3, 2}, [2], [1, 3], {2, 3, 2, 2}, [1], [2, 0]},
+          {{5}, [0], [], {5}, [0], []}
+        ]
 
-      for {sa, ca, ba, sb, cb, bb} <- cases,
-          dt <- [{:f, 32}, {:f, 64}, {:s, 32}, {:s, 64}, {:u, 16}] do
-        na = Tuple.product(sa)
-        nb = Tuple.product(sb)
-        a = for i <- 0..(na - 1), do: rem(i * 7 + 3, 11)
-        b = for i <- 0..(nb - 1), do: rem(i * 5 + 1, 9)
-        cast = fn x -> if elem(dt, 0) == :f, do: x * 1.0, else: x end
+        for {sa, ca, ba, sb, cb, bb} <- cases,
+            dt <- [{:f, 32}, {:f, 64}, {:s, 32}, {:s, 64}, {:u, 16}] do
+          na = Tuple.product(sa)
+          nb = Tuple.product(sb)
+          a = for i <- 0..(na - 1), do: rem(i * 7 + 3, 11)
+          b = for i <- 0..(nb - 1), do: rem(i * 5 + 1, 9)
+          cast = fn x -> if elem(dt, 0) == :f, do: x * 1.0, else: x end
 
-        out =
-          N.dot(s(), t(Enum.map(a, cast), dt, sa), ca, ba, t(Enum.map(b, cast), dt, sb), cb, bb)
+          out =
+            N.dot(s(), t(Enum.map(a, cast), dt, sa), ca, ba, t(Enum.map(b, cast), dt, sb), cb, bb)
 
-        expected = ref_dot(a, sa, ca, ba, b, sb, cb, bb) |> Enum.map(cast)
-        assert Emily.dtype(out) == dt
-        assert l(out) == expected, "#{inspect({sa, ca, ba, sb, cb, bb, dt})}"
-      end
+          expected = ref_dot(a, sa, ca, ba, b, sb, cb, bb) |> Enum.map(cast)
+          assert Emily.dtype(out) == dt
+          assert l(out) == expected, "#{inspect({sa, ca, ba, sb, cb, bb, dt})}"
+        end
+      end)
     end
 
     test "mixed int and float promote like Nx" do

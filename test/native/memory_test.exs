@@ -14,16 +14,19 @@ defmodule Emily.MemoryTest do
   end
 
   test "active memory holds an evaluated tensor and drops when it is garbage" do
-    Emily.Memory.clear_cache()
-    before = Emily.Memory.stats().active
-    holder = spawn_holding(fn -> N.full(s(), {4 * @mib}, 1.0, {:f, 32}) end)
-    held = Emily.Memory.stats().active
-    # 16 MiB (the from-list inputs of other tests are small).
-    assert held - before >= 16 * @mib
-    send(holder, :drop)
-    # Other streams may still be finishing earlier tests' work: wait for the drop to show
-    # (the waiting's own small tensors add a few bytes).
-    assert eventually(fn -> Emily.Memory.stats().active < held - 15 * @mib end)
+    with_cpu(fn ->
+      Emily.Memory.clear_cache()
+      before = Emily.Memory.stats().active
+      st = s()
+      holder = spawn_holding(fn -> N.full(st, {4 * @mib}, 1.0, {:f, 32}) end)
+      held = Emily.Memory.stats().active
+      # 16 MiB (the from-list inputs of other tests are small).
+      assert held - before >= 16 * @mib
+      send(holder, :drop)
+      # Other streams may still be finishing earlier tests' work: wait for the drop to show
+      # (the waiting's own small tensors add a few bytes).
+      assert eventually(fn -> Emily.Memory.stats().active < held - 15 * @mib end)
+    end)
   end
 
   test "reset_peak/0 resets the peak; it tracks new highs" do
@@ -95,14 +98,16 @@ defmodule Emily.MemoryTest do
   end
 
   test "results too large for the machine (or for size_t) raise instead of crashing" do
-    # 64 GiB and 2^93 bytes: MLX on the CPU would not check the failed allocation.
-    for shape <- [{1024, 1024, 1024, 16}, {2_147_483_647, 2_147_483_647, 2_147_483_647}] do
-      assert_raise Emily.Error, ~r/above the memory limit/, fn ->
-        Emily.eval(N.full(s(), shape, 0.0, {:f, 32}))
+    with_cpu(fn ->
+      # 64 GiB and 2^93 bytes: MLX on the CPU would not check the failed allocation.
+      for shape <- [{1024, 1024, 1024, 16}, {2_147_483_647, 2_147_483_647, 2_147_483_647}] do
+        assert_raise Emily.Error, ~r/above the memory limit/, fn ->
+          Emily.eval(N.full(s(), shape, 0.0, {:f, 32}))
+        end
       end
-    end
 
-    assert l(N.add(s(), t([1.0]), t([2.0]))) == [3.0]
+      assert l(N.add(s(), t([1.0]), t([2.0]))) == [3.0]
+    end)
   end
 
   test "set_wired_limit/1 is a Metal setting: a clear error elsewhere" do

@@ -79,17 +79,19 @@ defmodule Emily.ProgramTest do
   end
 
   test "compiled programs fuse on the CPU: MLX's compiler runs inside the VM" do
-    # A long elementwise chain is what MLX fuses into a generated kernel: built with the
-    # system C++ compiler (forked from the VM) the first time, cached on disk, and loaded
-    # into the VM. Without a working compiler MLX silently runs the ops unfused.
-    chain = for i <- 0..9, do: if(rem(i, 2) == 0, do: {:sin, [i]}, else: {:cos, [i]})
-    p = Program.new(chain, inputs: 1, compile: true)
-    plain = Program.new(chain, inputs: 1)
-    x = t(Enum.map(1..64, &(&1 / 64)))
-    assert_close(l(hd(Program.run(p, [x]))), l(hd(Program.run(plain, [x]))), 1.0e-5)
+    with_cpu(fn ->
+      # A long elementwise chain is what MLX fuses into a generated kernel: built with the
+      # system C++ compiler (forked from the VM) the first time, cached on disk, and loaded
+      # into the VM. Without a working compiler MLX silently runs the ops unfused.
+      chain = for i <- 0..9, do: if(rem(i, 2) == 0, do: {:sin, [i]}, else: {:cos, [i]})
+      p = Program.new(chain, inputs: 1, compile: true)
+      plain = Program.new(chain, inputs: 1)
+      x = t(Enum.map(1..64, &(&1 / 64)))
+      assert_close(l(hd(Program.run(p, [x]))), l(hd(Program.run(plain, [x]))), 1.0e-5)
 
-    loaded = Regex.scan(~r{/mlx/[^/\s]+/cpu/lib\S*Sin\S*\.so}, File.read!("/proc/self/maps"))
-    assert loaded != [], "MLX loaded no fused kernel (is a C++ compiler on the PATH?)"
+      loaded = Regex.scan(~r{/mlx/[^/\s]+/cpu/lib\S*Sin\S*\.so}, File.read!("/proc/self/maps"))
+      assert loaded != [], "MLX loaded no fused kernel (is a C++ compiler on the PATH?)"
+    end)
   end
 
   test "outputs: any slots, inputs included, in order; default is the last instruction's" do

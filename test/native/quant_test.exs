@@ -133,19 +133,21 @@ defmodule Emily.Native.QuantTest do
     @e2m1 [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
     test "mxfp4 and nvfp4: exact e2m1 values, hand-computed codes and scales" do
-      w = t(List.flatten(List.duplicate(@e2m1, 4)), {:f, 32}, {1, 32})
-      # mxfp4: one E8M0 scale per 32 (2^0 = 127); nvfp4: one E4M3 scale per 16 (1.0 = 0x38)
-      for {mode, gs, scales} <- [{"mxfp4", 32, [127]}, {"nvfp4", 16, [0x38, 0x38]}] do
-        [wq, sc] = N.quantize_mode(s(), w, gs, 4, mode, nil)
-        assert l(wq) == List.duplicate(0x76543210, 4)
-        assert {Emily.dtype(sc), l(sc)} == {{:u, 8}, scales}
-        assert l(N.dequantize(s(), wq, sc, nil, gs, 4, mode, nil, {:f, 32})) == l(w)
-      end
+      with_cpu(fn ->
+        w = t(List.flatten(List.duplicate(@e2m1, 4)), {:f, 32}, {1, 32})
+        # mxfp4: one E8M0 scale per 32 (2^0 = 127); nvfp4: one E4M3 scale per 16 (1.0 = 0x38)
+        for {mode, gs, scales} <- [{"mxfp4", 32, [127]}, {"nvfp4", 16, [0x38, 0x38]}] do
+          [wq, sc] = N.quantize_mode(s(), w, gs, 4, mode, nil)
+          assert l(wq) == List.duplicate(0x76543210, 4)
+          assert {Emily.dtype(sc), l(sc)} == {{:u, 8}, scales}
+          assert l(N.dequantize(s(), wq, sc, nil, gs, 4, mode, nil, {:f, 32})) == l(w)
+        end
 
-      neg = t(List.flatten(List.duplicate(Enum.map(@e2m1, &(-&1)), 4)), {:f, 32}, {1, 32})
-      [wq, _] = N.quantize_mode(s(), neg, 32, 4, "mxfp4", nil)
-      # -0 encodes as +0
-      assert l(wq) == List.duplicate(0xFEDCBA90, 4)
+        neg = t(List.flatten(List.duplicate(Enum.map(@e2m1, &(-&1)), 4)), {:f, 32}, {1, 32})
+        [wq, _] = N.quantize_mode(s(), neg, 32, 4, "mxfp4", nil)
+        # -0 encodes as +0
+        assert l(wq) == List.duplicate(0xFEDCBA90, 4)
+      end)
     end
 
     test "mxfp8: hand-computed E4M3 codes" do
@@ -160,23 +162,29 @@ defmodule Emily.Native.QuantTest do
     end
 
     test "nvfp4's global scale (the tensor's amax) keeps tiny weights representable" do
-      flat = Enum.map(data(2, 64), &(&1 * 1.0e-5))
-      w = t(flat, {:f, 32}, {2, 64})
-      amax = flat |> Enum.map(&abs/1) |> Enum.max()
-      # without it, amax / 6 underflows E4M3: every scale is 0 and so is every value
-      [wq, sc] = N.quantize_mode(s(), w, 16, 4, "nvfp4", nil)
-      assert Enum.uniq(l(sc)) == [0]
-      assert Enum.uniq(l(N.dequantize(s(), wq, sc, nil, 16, 4, "nvfp4", nil, {:f, 32}))) == [0.0]
-      # with it, scales are amax_g / 6 * (448 * 6 / amax): the largest group gets 448 (0x7E)
-      g = t([amax], {:f, 32}, {})
-      [wq, sc] = N.quantize_mode(s(), w, 16, 4, "nvfp4", g)
-      assert Enum.max(l(sc)) == 0x7E
-      back = l(N.dequantize(s(), wq, sc, nil, 16, 4, "nvfp4", g, {:f, 32}))
+      with_cpu(fn ->
+        flat = Enum.map(data(2, 64), &(&1 * 1.0e-5))
+        w = t(flat, {:f, 32}, {2, 64})
+        amax = flat |> Enum.map(&abs/1) |> Enum.max()
+        # without it, amax / 6 underflows E4M3: every scale is 0 and so is every value
+        [wq, sc] = N.quantize_mode(s(), w, 16, 4, "nvfp4", nil)
+        assert Enum.uniq(l(sc)) == [0]
 
-      for {wg, dg} <- Enum.zip(groups(flat, 16), groups(back, 16)) do
-        gmax = wg |> Enum.map(&abs/1) |> Enum.max()
-        assert Enum.zip_with(wg, dg, &abs(&1 - &2)) |> Enum.max() <= gmax / 4
-      end
+        assert Enum.uniq(l(N.dequantize(s(), wq, sc, nil, 16, 4, "nvfp4", nil, {:f, 32}))) == [
+                 0.0
+               ]
+
+        # with it, scales are amax_g / 6 * (448 * 6 / amax): the largest group gets 448 (0x7E)
+        g = t([amax], {:f, 32}, {})
+        [wq, sc] = N.quantize_mode(s(), w, 16, 4, "nvfp4", g)
+        assert Enum.max(l(sc)) == 0x7E
+        back = l(N.dequantize(s(), wq, sc, nil, 16, 4, "nvfp4", g, {:f, 32}))
+
+        for {wg, dg} <- Enum.zip(groups(flat, 16), groups(back, 16)) do
+          gmax = wg |> Enum.map(&abs/1) |> Enum.max()
+          assert Enum.zip_with(wg, dg, &abs(&1 - &2)) |> Enum.max() <= gmax / 4
+        end
+      end)
     end
 
     test "the shared power-of-two scale rounds up, so nothing clips" do

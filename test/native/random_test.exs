@@ -141,18 +141,20 @@ defmodule Emily.Native.RandomTest do
     end
 
     test "shapes and dtypes" do
-      k = N.key(s(), 9)
-      assert Emily.shape(N.uniform(s(), k, 0, 1, {2, 3}, {:bf, 16})) == {2, 3}
-      assert Emily.dtype(N.uniform(s(), k, 0, 1, {2}, {:bf, 16})) == {:bf, 16}
-      assert Emily.dtype(N.uniform(s(), k, 0, 1, {2}, {:f, 16})) == {:f, 16}
-      assert Emily.dtype(N.normal(s(), k, 0, 1, {2}, {:f, 64})) == {:f, 64}
-      assert Emily.dtype(N.randint(s(), k, 0, 200, {2}, {:u, 8})) == {:u, 8}
-      assert Emily.dtype(N.randint(s(), k, -5, 5, {2}, {:s, 64})) == {:s, 64}
-      assert Emily.dtype(N.bernoulli(s(), k, t([0.5]), {4})) == :bool
-      assert Emily.shape(N.truncated_normal(s(), k, -1, 1, {1, 2, 3}, {:f, 32})) == {1, 2, 3}
-      assert Emily.shape(N.laplace(s(), k, 0, 1, {7}, {:f, 16})) == {7}
-      c = N.categorical(s(), k, t([0.0, 1.0, 0.0, 1.0, 2.0, 3.0], {:f, 32}, {2, 3}), 1, 5)
-      assert {Emily.shape(c), Emily.dtype(c)} == {{2, 5}, {:u, 32}}
+      with_cpu(fn ->
+        k = N.key(s(), 9)
+        assert Emily.shape(N.uniform(s(), k, 0, 1, {2, 3}, {:bf, 16})) == {2, 3}
+        assert Emily.dtype(N.uniform(s(), k, 0, 1, {2}, {:bf, 16})) == {:bf, 16}
+        assert Emily.dtype(N.uniform(s(), k, 0, 1, {2}, {:f, 16})) == {:f, 16}
+        assert Emily.dtype(N.normal(s(), k, 0, 1, {2}, {:f, 64})) == {:f, 64}
+        assert Emily.dtype(N.randint(s(), k, 0, 200, {2}, {:u, 8})) == {:u, 8}
+        assert Emily.dtype(N.randint(s(), k, -5, 5, {2}, {:s, 64})) == {:s, 64}
+        assert Emily.dtype(N.bernoulli(s(), k, t([0.5]), {4})) == :bool
+        assert Emily.shape(N.truncated_normal(s(), k, -1, 1, {1, 2, 3}, {:f, 32})) == {1, 2, 3}
+        assert Emily.shape(N.laplace(s(), k, 0, 1, {7}, {:f, 16})) == {7}
+        c = N.categorical(s(), k, t([0.0, 1.0, 0.0, 1.0, 2.0, 3.0], {:f, 32}, {2, 3}), 1, 5)
+        assert {Emily.shape(c), Emily.dtype(c)} == {{2, 5}, {:u, 32}}
+      end)
     end
 
     # Bounds below are over 100k samples of a fixed key, each at least 5 standard errors

@@ -227,7 +227,7 @@ defmodule Emily.Fuzz do
       1 -> int()
       2 -> float()
       3 -> Enum.random([nil, true, false, :nan, :infinity, :cpu, :gpu, :foo, :ok])
-      4 -> :crypto.strong_rand_bytes(:rand.uniform(16) - 1)
+      4 -> :rand.bytes(:rand.uniform(16) - 1)
       5 -> shape()
       6 -> dtype()
       7 -> Enum.random([[], [1, 2], [[1]], [1 | 2], Enum.to_list(1..70), ~c"abc"])

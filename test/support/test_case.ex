@@ -17,6 +17,13 @@ defmodule Emily.TestCase do
   @doc "The default CPU stream: for f64 and the ops MLX runs only on the CPU."
   def cpu, do: Emily.Stream.default(:cpu)
 
+  @doc """
+  Runs `fun` with the CPU stream as the current one: for f64 (CPU only in MLX) and for
+  values only the CPU kernels define (integer division by zero, the winner of a repeated
+  scatter), so the suite means the same on a GPU build.
+  """
+  def with_cpu(fun), do: Emily.Stream.with_stream(cpu(), fun)
+
   @doc "A tensor from a flat list, with an optional shape."
   def t(list, dtype \\ {:f, 32}, shape \\ nil) do
     Emily.from_list(list, dtype, shape: shape || {length(list)})
