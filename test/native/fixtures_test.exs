@@ -34,6 +34,8 @@ defmodule Emily.Native.FixturesTest do
 
   for family <- ~w(unary binary reduce scan sort) do
     @family family
+    # A GPU build compiles a kernel for each new shape (NVRTC): far slower the first time.
+    @tag timeout: 600_000
     test "#{family} ops match the NumPy/SciPy fixtures" do
       cases = read_cases(Path.join(@dir, "#{@family}.fixtures"))
       assert length(cases) > 50

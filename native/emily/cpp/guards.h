@@ -3,6 +3,7 @@
 // guarded in binary.h.)
 #pragma once
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -22,6 +23,15 @@ inline mlx::core::Shape nonzero_strides(mlx::core::Shape strides) {
 inline const mlx::core::array& nonempty(const mlx::core::array& a) {
   if (a.size() == 0) throw std::invalid_argument("linear algebra needs a non-empty input");
   return a;
+}
+
+// MLX's CUDA arange crashes on an empty range (seen on an H200, MLX 0.32.4).
+inline mlx::core::array arange_checked(double start, double stop, double step, mlx::core::Dtype dtype,
+                                       mlx::core::StreamOrDevice s) {
+  if (step != 0 && !(std::ceil((stop - start) / step) > 0)) {
+    return mlx::core::full(mlx::core::Shape{0}, mlx::core::array(0, dtype), dtype, s);
+  }
+  return mlx::core::arange(start, stop, step, dtype, s);
 }
 
 // An int argument MLX divides by (a group size, a bit width): zero would trap.
