@@ -633,34 +633,13 @@ if Code.ensure_loaded?(Nx) do
 
     ## Elementwise binary ops
 
-    @arith %{
-      add: :add,
-      subtract: :subtract,
-      multiply: :multiply,
-      divide: :divide,
-      pow: :power,
-      atan2: :arctan2,
-      min: :minimum,
-      max: :maximum,
-      bitwise_and: :bitwise_and,
-      bitwise_or: :bitwise_or,
-      bitwise_xor: :bitwise_xor,
-      left_shift: :left_shift,
-      right_shift: :right_shift
-    }
+    @arith Emily.Backend.Ops.arith()
 
     for {name, mlx} <- @arith do
       defp unquote(:"n_#{name}")(out, l, r), do: binary(unquote(mlx), out, l, r)
     end
 
-    @compare %{
-      equal: :equal,
-      not_equal: :not_equal,
-      greater: :greater,
-      less: :less,
-      greater_equal: :greater_equal,
-      less_equal: :less_equal
-    }
+    @compare Emily.Backend.Ops.compare()
 
     for {name, mlx} <- @compare do
       defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
@@ -695,36 +674,7 @@ if Code.ensure_loaded?(Nx) do
 
     ## Elementwise unary ops
 
-    @unary %{
-      exp: :exp,
-      expm1: :expm1,
-      log: :log,
-      log1p: :log1p,
-      sigmoid: :sigmoid,
-      cos: :cos,
-      sin: :sin,
-      tan: :tan,
-      cosh: :cosh,
-      sinh: :sinh,
-      tanh: :tanh,
-      acos: :arccos,
-      asin: :arcsin,
-      atan: :arctan,
-      acosh: :arccosh,
-      asinh: :arcsinh,
-      atanh: :arctanh,
-      sqrt: :sqrt,
-      rsqrt: :rsqrt,
-      erf: :erf,
-      erfc: :erfc,
-      cbrt: :cbrt,
-      round: :round_half_away,
-      population_count: :population_count,
-      count_leading_zeros: :count_leading_zeros,
-      bitwise_not: :bitwise_invert,
-      negate: :negative,
-      sign: :sign
-    }
+    @unary Emily.Backend.Ops.unary()
 
     for {name, mlx} <- @unary do
       defp unquote(:"n_#{name}")(%T{type: type} = out, %T{} = t) do

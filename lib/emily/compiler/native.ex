@@ -14,64 +14,12 @@ if Code.ensure_loaded?(Nx) do
     alias Nx.Tensor, as: T
     alias Emily.Backend.Storage
 
-    @unary %{
-      exp: :exp,
-      expm1: :expm1,
-      log: :log,
-      log1p: :log1p,
-      sigmoid: :sigmoid,
-      cos: :cos,
-      sin: :sin,
-      tan: :tan,
-      cosh: :cosh,
-      sinh: :sinh,
-      tanh: :tanh,
-      acos: :arccos,
-      asin: :arcsin,
-      atan: :arctan,
-      acosh: :arccosh,
-      asinh: :arcsinh,
-      atanh: :arctanh,
-      sqrt: :sqrt,
-      rsqrt: :rsqrt,
-      erf: :erf,
-      erfc: :erfc,
-      cbrt: :cbrt,
-      round: :round_half_away,
-      population_count: :population_count,
-      count_leading_zeros: :count_leading_zeros,
-      bitwise_not: :bitwise_invert,
-      negate: :negative,
-      sign: :sign
-    }
+    @unary Emily.Backend.Ops.unary()
 
-    @binary %{
-      add: :add,
-      subtract: :subtract,
-      multiply: :multiply,
-      divide: :divide,
-      pow: :power,
-      atan2: :arctan2,
-      min: :minimum,
-      max: :maximum,
-      bitwise_and: :bitwise_and,
-      bitwise_or: :bitwise_or,
-      bitwise_xor: :bitwise_xor,
-      left_shift: :left_shift,
-      right_shift: :right_shift,
-      # Nx's remainder has the dividend's sign and its quotient truncates.
-      remainder: :fmod,
-      quotient: :trunc_divide
-    }
+    # Nx's remainder has the dividend's sign and its quotient truncates.
+    @binary Map.merge(Emily.Backend.Ops.arith(), %{remainder: :fmod, quotient: :trunc_divide})
 
-    @compare %{
-      equal: :equal,
-      not_equal: :not_equal,
-      greater: :greater,
-      less: :less,
-      greater_equal: :greater_equal,
-      less_equal: :less_equal
-    }
+    @compare Emily.Backend.Ops.compare()
 
     @logical %{logical_and: :logical_and, logical_or: :logical_or, logical_xor: :not_equal}
 

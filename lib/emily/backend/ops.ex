@@ -1,0 +1,70 @@
+defmodule Emily.Backend.Ops do
+  @moduledoc false
+  # Which Native op computes each Nx op that maps onto one: the one table shared by
+  # Emily.Backend (op by op) and Emily.Compiler's native path (programs).
+
+  @unary %{
+    exp: :exp,
+    expm1: :expm1,
+    log: :log,
+    log1p: :log1p,
+    sigmoid: :sigmoid,
+    cos: :cos,
+    sin: :sin,
+    tan: :tan,
+    cosh: :cosh,
+    sinh: :sinh,
+    tanh: :tanh,
+    acos: :arccos,
+    asin: :arcsin,
+    atan: :arctan,
+    acosh: :arccosh,
+    asinh: :arcsinh,
+    atanh: :arctanh,
+    sqrt: :sqrt,
+    rsqrt: :rsqrt,
+    erf: :erf,
+    erfc: :erfc,
+    cbrt: :cbrt,
+    round: :round_half_away,
+    population_count: :population_count,
+    count_leading_zeros: :count_leading_zeros,
+    bitwise_not: :bitwise_invert,
+    negate: :negative,
+    sign: :sign
+  }
+
+  @arith %{
+    add: :add,
+    subtract: :subtract,
+    multiply: :multiply,
+    divide: :divide,
+    pow: :power,
+    atan2: :arctan2,
+    min: :minimum,
+    max: :maximum,
+    bitwise_and: :bitwise_and,
+    bitwise_or: :bitwise_or,
+    bitwise_xor: :bitwise_xor,
+    left_shift: :left_shift,
+    right_shift: :right_shift
+  }
+
+  @compare %{
+    equal: :equal,
+    not_equal: :not_equal,
+    greater: :greater,
+    less: :less,
+    greater_equal: :greater_equal,
+    less_equal: :less_equal
+  }
+
+  @doc "Nx unary op => Native op."
+  def unary, do: @unary
+
+  @doc "Nx binary arithmetic and bitwise ops => Native op."
+  def arith, do: @arith
+
+  @doc "Nx comparisons => Native op (MLX bool results; Nx wants u8)."
+  def compare, do: @compare
+end
