@@ -781,10 +781,7 @@ if Code.ensure_loaded?(Nx) do
       wrap(N.dot(s, ref(l, s, type), cl, bl, ref(r, s, type), cr, br), out, s)
     end
 
-    ## Native paths over the full op table
-    #
-    # Each of these is compiled in when the op table has the rows it calls (see `row?/2`
-    # at the top), and the callback falls back to Nx.BinaryBackend otherwise.
+    ## Indexing, sorting and window scatters
 
     defp n_gather(%T{type: type} = out, t, indices, opts) do
       s = stream([t, indices], type)
