@@ -52,11 +52,10 @@ defmodule Emily.Native do
 
   for file <- Emily.Native.Table.files(), do: @external_resource(file)
 
-  # A new table file is not one of the external resources above: recompile when the set
-  # of files changes.
-  @table_files Emily.Native.Table.files()
-  @doc false
-  def __mix_recompile__?, do: Emily.Native.Table.files() != @table_files
+  # The folder too: adding a family file changes its mtime. (A `__mix_recompile__?/0`
+  # would have Mix load this module, and its NIF, before recompiling it; the NIF cannot
+  # be upgraded in place.)
+  @external_resource Emily.Native.Table.dir()
 
   @doc false
   def __load_nif__ do
