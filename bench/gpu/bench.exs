@@ -75,7 +75,14 @@ emily = GpuBench.figures(s)
 emily =
   if decode? do
     Code.require_file(Path.join(__DIR__, "decode.exs"))
-    Map.put(emily, "emily_decode_ms", GpuDecode.run(s) * 1.0e3)
+    d = GpuDecode.run(s)
+
+    Map.merge(emily, %{
+      "emily_decode_ms" => d.op_by_op * 1.0e3,
+      "emily_decode_program_ms" => d.program * 1.0e3,
+      "emily_decode_compiled_ms" => d.compiled * 1.0e3,
+      "emily_decode_max_diff" => d.max_diff
+    })
   else
     emily
   end

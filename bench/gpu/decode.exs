@@ -13,6 +13,7 @@ defmodule GpuDecode do
   @kv 512
   @vocab 151_936
   @bf16 {:bf, 16}
+  @weights [:ln1, :ln2, :qn, :kn, :wq, :wk, :wv, :wo, :wg, :wu, :wd, :k, :v]
 
   def run(s) do
     scale = N.full(s, {}, 0.02, @bf16)
@@ -43,7 +44,104 @@ defmodule GpuDecode do
     x0 = w.({1, 1, @h})
     Emily.eval([norm, head, x0 | Enum.flat_map(layers, &Map.values/1)])
 
-    GpuBench.best(fn -> GpuBench.eval_and_drop(step(s, layers, norm, head, x0)) end, 20, 3)
+    op_by_op =
+      GpuBench.best(fn -> GpuBench.eval_and_drop(step(s, layers, norm, head, x0)) end, 20, 3)
+
+    # The same step as one Emily.Program: one native call per step, and the
+    # intermediates live and die inside it.
+    inputs =
+      Enum.flat_map(layers, fn p -> Enum.map(@weights, &Map.fetch!(p, &1)) end) ++
+        [norm, head, x0]
+
+    {instrs, out} = program_step()
+
+    runs =
+      for compile <- [false, true] do
+        prog = Emily.Program.new(instrs, inputs: length(inputs), outputs: [out], compile: compile)
+
+        t =
+          GpuBench.best(
+            fn -> GpuBench.eval_and_drop(hd(Emily.Program.run(prog, inputs, stream: s))) end,
+            20,
+            3
+          )
+
+        {compile, t}
+      end
+
+    # The program computes what the op-by-op step computes.
+    prog = Emily.Program.new(instrs, inputs: length(inputs), outputs: [out])
+    [a] = Emily.Program.run(prog, inputs, stream: s)
+    b = step(s, layers, norm, head, x0)
+
+    diff =
+      N.max(
+        s,
+        N.abs(s, N.subtract(s, N.astype(s, a, {:f, 32}), N.astype(s, b, {:f, 32}))),
+        [0, 1, 2],
+        false
+      )
+
+    [max_diff] = Emily.to_list(diff)
+
+    %{op_by_op: op_by_op, program: runs[false], compiled: runs[true], max_diff: max_diff}
+  end
+
+  # Instructions of one step over the inputs laid out as in run/1: 13 weights per layer,
+  # then norm, head and x0. Returns {instructions, output slot}.
+  defp program_step do
+    n_inputs = @layers * length(@weights) + 3
+    {norm, head, x0} = {n_inputs - 3, n_inputs - 2, n_inputs - 1}
+    b = %{instrs: [], next: n_inputs}
+
+    op = fn b, name, args ->
+      {%{b | instrs: [{name, args} | b.instrs], next: b.next + 1}, b.next}
+    end
+
+    t0213 = [0, 2, 1, 3]
+
+    {b, x} =
+      Enum.reduce(0..(@layers - 1), {b, x0}, fn l, {b, x} ->
+        p = Map.new(Enum.with_index(@weights), fn {k, i} -> {k, l * length(@weights) + i} end)
+        {b, h} = op.(b, :rms_norm, [x, p.ln1, 1.0e-6])
+        {b, q} = op.(b, :matmul, [h, p.wq])
+        {b, q} = op.(b, :reshape, [q, {1, 1, @nq, @d}])
+        {b, k} = op.(b, :matmul, [h, p.wk])
+        {b, k} = op.(b, :reshape, [k, {1, 1, @nkv, @d}])
+        {b, v} = op.(b, :matmul, [h, p.wv])
+        {b, v} = op.(b, :reshape, [v, {1, 1, @nkv, @d}])
+        {b, v} = op.(b, :transpose, [v, t0213])
+        {b, q} = op.(b, :rms_norm, [q, p.qn, 1.0e-6])
+        {b, q} = op.(b, :transpose, [q, t0213])
+        {b, q} = op.(b, :rope, [q, @d, false, 1.0e6, 1.0, @kv, nil])
+        {b, k} = op.(b, :rms_norm, [k, p.kn, 1.0e-6])
+        {b, k} = op.(b, :transpose, [k, t0213])
+        {b, k} = op.(b, :rope, [k, @d, false, 1.0e6, 1.0, @kv, nil])
+        {b, kc} = op.(b, :slice, [p.k, [0, 0, 1, 0], [1, @nkv, @kv, @d], [1, 1, 1, 1]])
+        {b, ks} = op.(b, :concatenate, [[kc, k], 2])
+        {b, vc} = op.(b, :slice, [p.v, [0, 0, 1, 0], [1, @nkv, @kv, @d], [1, 1, 1, 1]])
+        {b, vs} = op.(b, :concatenate, [[vc, v], 2])
+
+        {b, o} =
+          op.(b, :scaled_dot_product_attention, [q, ks, vs, :math.pow(@d, -0.5), "", nil, nil])
+
+        {b, o} = op.(b, :transpose, [o, t0213])
+        {b, o} = op.(b, :reshape, [o, {1, 1, @nq * @d}])
+        {b, o} = op.(b, :matmul, [o, p.wo])
+        {b, x} = op.(b, :add, [x, o])
+        {b, h} = op.(b, :rms_norm, [x, p.ln2, 1.0e-6])
+        {b, g} = op.(b, :matmul, [h, p.wg])
+        {b, sg} = op.(b, :sigmoid, [g])
+        {b, g} = op.(b, :multiply, [g, sg])
+        {b, u} = op.(b, :matmul, [h, p.wu])
+        {b, a} = op.(b, :multiply, [g, u])
+        {b, d} = op.(b, :matmul, [a, p.wd])
+        op.(b, :add, [x, d])
+      end)
+
+    {b, y} = op.(b, :rms_norm, [x, norm, 1.0e-6])
+    {b, y} = op.(b, :matmul, [y, head])
+    {Enum.reverse(b.instrs), y}
   end
 
   defp step(s, layers, norm, head, x0) do
