@@ -126,5 +126,10 @@ for {label, key} <- rows do
   IO.puts("| #{label} | #{f.(e)} | #{f.(p)} | #{ratio.(e, p)} | #{torch} |")
 end
 
-if decode?,
-  do: IO.puts("\nPython MLX compiled decode step: #{f.(ref["mlx_decode_compiled_ms"])} ms")
+if decode? do
+  IO.puts("""
+
+  Decode step as one Emily.Program: #{f.(emily["emily_decode_program_ms"])} ms, compiled (mx::compile) #{f.(emily["emily_decode_compiled_ms"])} ms; largest difference from the op-by-op step: #{emily["emily_decode_max_diff"]}
+  Python MLX compiled decode step: #{f.(ref["mlx_decode_compiled_ms"])} ms
+  """)
+end
