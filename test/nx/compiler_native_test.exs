@@ -11,19 +11,7 @@ if Code.ensure_loaded?(Nx) do
     import Emily.NxOracle
     alias Emily.NxOracle, as: O
 
-    defn softmax(x) do
-      e = Nx.exp(x - Nx.reduce_max(x, axes: [-1], keep_axes: true))
-      e / Nx.sum(e, axes: [-1], keep_axes: true)
-    end
-
-    defn mlp(x, {w1, b1, w2, b2}) do
-      x |> Nx.dot(w1) |> Nx.add(b1) |> Nx.tanh() |> Nx.dot(w2) |> Nx.add(b2) |> softmax()
-    end
-
-    defn attention(q, k, v) do
-      scores = Nx.dot(q, [2], [0], k, [2], [0]) / Nx.sqrt(Nx.axis_size(q, 2))
-      Nx.dot(softmax(scores), [2], [0], v, [1], [0])
-    end
+    import Emily.NxModels
 
     defn chain(x, y, i) do
       a = Nx.sigmoid(x) * Nx.cos(y) - Nx.abs(x) / (1 + Nx.exp(-y))

@@ -1,0 +1,21 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.NxModels do
+    @moduledoc false
+    # Small models the defn compiler suites run through every path.
+    import Nx.Defn
+
+    defn softmax(x) do
+      e = Nx.exp(x - Nx.reduce_max(x, axes: [-1], keep_axes: true))
+      e / Nx.sum(e, axes: [-1], keep_axes: true)
+    end
+
+    defn mlp(x, {w1, b1, w2, b2}) do
+      x |> Nx.dot(w1) |> Nx.add(b1) |> Nx.tanh() |> Nx.dot(w2) |> Nx.add(b2) |> softmax()
+    end
+
+    defn attention(q, k, v) do
+      scores = Nx.dot(q, [2], [0], k, [2], [0]) / Nx.sqrt(Nx.axis_size(q, 2))
+      Nx.dot(softmax(scores), [2], [0], v, [1], [0])
+    end
+  end
+end
