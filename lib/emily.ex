@@ -88,7 +88,7 @@ defmodule Emily do
                          &Emily.Telemetry.to_binary_stop/1 do
       ref = make_ref()
       Native.to_binary(ref, tensor)
-      bin = receive do: ({^ref, result} -> unwrap!(result))
+      bin = await(ref)
       Emily.Debug.check_finite(Emily.Stream.current(), tensor, "to_binary")
       bin
     end
@@ -116,7 +116,7 @@ defmodule Emily do
     Emily.Telemetry.span :eval, Emily.Telemetry.eval_metadata(tensors) do
       ref = make_ref()
       Native.eval(ref, tensors)
-      :ok = receive do: ({^ref, result} -> unwrap!(result))
+      :ok = await(ref)
       Emily.Debug.check_finite(Emily.Stream.current(), tensors, "eval")
       :ok
     end
@@ -130,6 +130,24 @@ defmodule Emily do
   """
   @spec async_eval(tensor | [tensor]) :: :ok
   def async_eval(tensors), do: Native.async_eval(List.wrap(tensors))
+
+  @doc """
+  Frees `tensor`'s array now, instead of when the BEAM garbage-collects the handle, so
+  that MLX can reuse its memory at once (MLX frees an array when its last holder lets go;
+  an Elixir handle lets go only when collected, which for a process holding large
+  intermediates can be much later). Returns `:ok`, or `:already_released`.
+
+  Using `tensor` afterwards raises `Emily.Error`. Tensors already computed from it, and
+  binaries returned by `to_binary/1`, are unaffected.
+
+      iex> t = Emily.from_list([1.0, 2.0], {:f, 32})
+      iex> Emily.release(t)
+      :ok
+      iex> Emily.release(t)
+      :already_released
+  """
+  @spec release(tensor) :: :ok | :already_released
+  def release(tensor), do: Native.tensor_release(tensor)
 
   @doc "The shape of `tensor`, as a tuple."
   @spec shape(tensor) :: shape
@@ -153,7 +171,30 @@ defmodule Emily do
   defp describe(tensor) do
     ref = make_ref()
     Native.describe(ref, tensor)
-    receive do: ({^ref, result} -> unwrap!(result))
+    await(ref)
+  end
+
+  # The worker's reply to `ref`. With `Emily.Stream.set_spin/1`, polls the mailbox for a
+  # while first: a process that blocks in `receive` lets its scheduler thread sleep, and
+  # waking it costs the OS several microseconds, which is most of a small op's round trip.
+  defp await(ref) do
+    case :persistent_term.get({Emily.Stream, :spin_us}, 0) do
+      0 -> receive do: ({^ref, result} -> unwrap!(result))
+      us -> poll(ref, System.monotonic_time(:microsecond) + us)
+    end
+  end
+
+  defp poll(ref, deadline) do
+    receive do
+      {^ref, result} -> unwrap!(result)
+    after
+      0 ->
+        if System.monotonic_time(:microsecond) < deadline do
+          poll(ref, deadline)
+        else
+          receive do: ({^ref, result} -> unwrap!(result))
+        end
+    end
   end
 
   defp unwrap!({:ok, value}), do: value

@@ -78,12 +78,16 @@ if Code.ensure_loaded?(Nx) do
     computes in f64 (as Nx.BinaryBackend does), complex inputs too, and raises on a zero
     on the diagonal, as Nx does.
 
+    ## Memory
+
+    An MLX array is freed when the last tensor holding it is garbage-collected, or at
+    once by `Nx.backend_deallocate/1` (and by `Nx.backend_transfer/3` to another backend
+    or device), after which the tensor raises `Emily.Error` if used (`Emily.release/1`).
+
     ## Not supported
 
       * `Nx.to_pointer/2` and `Nx.from_pointer/5`: MLX's buffers are not shared out of
         the process; both raise `ArgumentError`.
-      * `Nx.backend_deallocate/1` returns `:ok` and leaves the array to the garbage
-        collector: an MLX array is freed when the last tensor holding it is collected.
     """
 
     @behaviour Nx.Backend
@@ -265,10 +269,20 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @impl true
-    def backend_transfer(t, backend, opts), do: backend_copy(t, backend, opts)
+    def backend_transfer(%T{data: %B{ref: ref}} = t, backend, opts) do
+      copy = backend_copy(t, backend, opts)
+      # A transfer gives the source up: free its array now, unless the copy is the source.
+      unless match?(%T{data: %B{ref: ^ref}}, copy), do: Emily.release(ref)
+      copy
+    end
 
     @impl true
-    def backend_deallocate(%T{data: %B{}}), do: :ok
+    def backend_deallocate(%T{data: %B{ref: ref}}) do
+      case Emily.release(ref) do
+        :ok -> :ok
+        :already_released -> :already_deallocated
+      end
+    end
 
     @impl true
     def inspect(%T{} = tensor, inspect_opts) do

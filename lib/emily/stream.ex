@@ -130,6 +130,26 @@ defmodule Emily.Stream do
     %{started: started, idle: idle}
   end
 
+  @doc """
+  Sets how long, in microseconds, a worker thread with nothing to do polls for new work
+  before it sleeps, and how long a process waiting for a value (`Emily.eval/1`,
+  `Emily.to_binary/1`, ...) polls its mailbox before it blocks. Returns the previous
+  value. Applies to every stream; `config :emily, spin_us: n` sets it at boot. Default 0.
+
+  A small op's round trip is then no longer dominated by the OS waking sleeping threads
+  (the worker, then the caller's scheduler), at the price of a core kept busy while
+  polling. Worth it on a host with cores to spare (a GPU server running op-by-op
+  workloads); on a machine whose few cores are shared by the BEAM's schedulers and MLX's
+  threads, polling takes time from the work itself: keep 0 there. `bench/README.md`
+  has the figures.
+  """
+  @spec set_spin(non_neg_integer) :: non_neg_integer
+  def set_spin(microseconds) when is_integer(microseconds) and microseconds in 0..1_000_000 do
+    previous = Emily.Native.stream_set_spin(microseconds)
+    :persistent_term.put({__MODULE__, :spin_us}, microseconds)
+    previous
+  end
+
   @doc "Whether `release/1` was called on `stream`."
   @spec released?(t) :: boolean
   def released?(stream), do: Emily.Native.stream_released(stream)
@@ -169,6 +189,7 @@ defmodule Emily.Stream.Defaults do
 
     Emily.Fallback.create_table()
     Emily.Memory.apply_config()
+    Emily.Stream.set_spin(Application.get_env(:emily, :spin_us, 0))
     {:ok, devices}
   end
 

@@ -141,12 +141,32 @@ if Code.ensure_loaded?(Nx) do
         end
 
         assert Nx.backend_copy(e, Nx.BinaryBackend) == t
-        assert Nx.backend_transfer(e, Nx.BinaryBackend) == t
         assert Nx.backend_copy(e, {Emily.Backend, device: :cpu}).data.ref == e.data.ref
-        assert Nx.backend_deallocate(e) == :ok
         assert inspect(e) == inspect(t)
         assert inspect(e, limit: 3) == inspect(t, limit: 3)
         assert inspect(Nx.iota({3}, type: :bf16)) =~ "bf16[3]"
+      end
+
+      test "backend_transfer and backend_deallocate free the array at once" do
+        t = O.tensor({3, 2}, {:f, 32})
+        same = emily(t)
+        assert Nx.backend_transfer(same, {Emily.Backend, device: :cpu}) == same
+        assert Nx.to_binary(same) == Nx.to_binary(t)
+
+        moved = emily(t)
+        assert Nx.backend_transfer(moved, Nx.BinaryBackend) == t
+        assert_raise Emily.Error, ~r/has been released/, fn -> Nx.to_binary(moved) end
+
+        gone = emily(t)
+        kept = Nx.multiply(gone, 2)
+        assert Nx.backend_deallocate(gone) == :ok
+        assert Nx.backend_deallocate(gone) == :already_deallocated
+
+        assert_raise Emily.Error, ~r/has been released/, fn ->
+          Nx.add(gone, 1) |> Nx.to_binary()
+        end
+
+        assert Nx.to_binary(kept) == Nx.to_binary(Nx.multiply(t, 2))
       end
 
       test "pointers are a clear error" do

@@ -25,8 +25,8 @@ pub enum Error {
     /// A tensor this op needs failed earlier; the original error is carried along.
     #[error("{op}: an input failed earlier: {source}")]
     Input { op: String, source: Box<Error> },
-    /// The tensor's slot was dropped (never happens while Elixir holds the tensor).
-    #[error("{op}: tensor {id} is no longer held by its stream")]
+    /// The tensor was released (`tensor_release`), so its array is gone.
+    #[error("{op}: tensor {id} has been released")]
     Released { op: String, id: u64 },
 }
 

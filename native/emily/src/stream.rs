@@ -101,3 +101,17 @@ fn stream_name(stream: StreamArg) -> String {
 fn mlx_version() -> String {
     crate::bridge::ffi::mlx_version()
 }
+
+/// `stream_set_spin(microseconds)`: how long an idle worker thread polls its queue before
+/// it sleeps, for every stream (see `Emily.Stream.set_spin/1`). Returns the previous value.
+#[rustler::nif]
+fn stream_set_spin(microseconds: i64) -> NifResult<i64> {
+    if !(0..=1_000_000).contains(&microseconds) {
+        return Err(argument_error(format!(
+            "stream_set_spin: expected 0 to 1000000 microseconds, got {microseconds}"
+        )));
+    }
+    let previous = crate::worker::spin().as_micros() as i64;
+    crate::worker::set_spin(std::time::Duration::from_micros(microseconds as u64));
+    Ok(previous)
+}

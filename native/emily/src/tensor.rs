@@ -12,15 +12,17 @@ use crate::term::{List, Shape};
 use crate::worker::{next_id, State, Worker};
 use rustler::env::SavedTerm;
 use rustler::{Binary, Encoder, Env, LocalPid, NifResult, OwnedEnv, Resource, ResourceArc, Term};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 pub struct TensorResource {
     pub id: u64,
     pub worker: Arc<Worker>,
-    /// The evaluated array, once some eval/to_binary has produced it.
-    pub evaluated: OnceLock<Arc<SendArray>>,
+    /// The evaluated array, once some eval/to_binary has produced it (`None` again once
+    /// the tensor is released).
+    evaluated: Mutex<Option<Arc<SendArray>>>,
+    released: AtomicBool,
 }
 
 #[rustler::resource_impl]
@@ -30,15 +32,53 @@ pub type TensorArg = ResourceArc<TensorResource>;
 
 impl TensorResource {
     pub fn new(worker: &Arc<Worker>) -> TensorArg {
-        ResourceArc::new(TensorResource { id: next_id(), worker: worker.clone(), evaluated: OnceLock::new() })
+        ResourceArc::new(TensorResource {
+            id: next_id(),
+            worker: worker.clone(),
+            evaluated: Mutex::new(None),
+            released: AtomicBool::new(false),
+        })
+    }
+
+    /// The evaluated array, if some eval/to_binary has produced it.
+    pub fn evaluated(&self) -> Option<Arc<SendArray>> {
+        self.evaluated.lock().unwrap().clone()
+    }
+
+    /// Records `a` as the evaluated array unless one already is (and the tensor is live);
+    /// returns the one recorded.
+    fn set_evaluated(&self, a: Arc<SendArray>) -> Arc<SendArray> {
+        let mut slot = self.evaluated.lock().unwrap();
+        if self.released.load(Ordering::Acquire) {
+            return a;
+        }
+        slot.get_or_insert(a).clone()
+    }
+
+    /// Drops this handle's hold on its array now rather than when the BEAM collects it:
+    /// `false` if it was released already.
+    pub fn release(&self) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        let evaluated = self.evaluated.lock().unwrap().take();
+        let id = self.id;
+        self.worker.submit_lazy(Box::new(move |st: &mut State| {
+            st.arrays.remove(&id);
+            drop(evaluated);
+        }));
+        true
     }
 }
 
 impl Drop for TensorResource {
     fn drop(&mut self) {
         // Arrays are only ever destroyed on a worker thread; nobody waits for that.
+        if self.released.load(Ordering::Acquire) {
+            return;
+        }
         let id = self.id;
-        let evaluated = self.evaluated.take();
+        let evaluated = self.evaluated.get_mut().unwrap().take();
         self.worker.submit_lazy(Box::new(move |st: &mut State| {
             st.arrays.remove(&id);
             drop(evaluated);
@@ -94,8 +134,8 @@ impl Reply {
 
 /// Makes sure `t` is evaluated on its worker and records the evaluated array.
 pub(crate) fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<SendArray>, Error> {
-    if let Some(a) = t.evaluated.get() {
-        return Ok(a.clone());
+    if let Some(a) = t.evaluated() {
+        return Ok(a);
     }
     let arr = st.get(t.id, op)?;
     let res = ffi::export_array(arr, &st.stream).map_err(|e| mlx_error(op, e, &[arr]))?;
@@ -103,7 +143,7 @@ pub(crate) fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<Se
     // The worker's own slot now holds the evaluated array too, so later ops on it start
     // from data rather than from the graph.
     st.put(t.id, Ok(ffi::clone_array(&shared.0)));
-    Ok(t.evaluated.get_or_init(|| shared).clone())
+    Ok(t.set_evaluated(shared))
 }
 
 pub fn mlx_error(op: &str, e: cxx::Exception, inputs: &[&ffi::Array]) -> Error {
@@ -162,8 +202,8 @@ fn from_binary<'a>(stream: StreamArg, data: Term<'a>, shape: Shape, dtype: DType
 /// for why waiting on it cannot deadlock). `op` names the consuming op in errors.
 pub(crate) fn request_export(t: &TensorArg, op: &'static str) -> Receiver<Result<Arc<SendArray>, Error>> {
     let (tx, rx) = mpsc::sync_channel(1);
-    if let Some(a) = t.evaluated.get() {
-        let _ = tx.send(Ok(a.clone()));
+    if let Some(a) = t.evaluated() {
+        let _ = tx.send(Ok(a));
         return rx;
     }
     let t2 = t.clone();
@@ -187,7 +227,7 @@ fn by_worker(tensors: Vec<TensorArg>) -> Vec<(Arc<Worker>, Vec<TensorArg>)> {
 
 /// Evaluates `tensors` (all of this worker) in one graph evaluation.
 fn eval_group(st: &mut State, tensors: &[TensorArg]) -> Result<(), Error> {
-    let pending: Vec<&TensorArg> = tensors.iter().filter(|t| t.evaluated.get().is_none()).collect();
+    let pending: Vec<&TensorArg> = tensors.iter().filter(|t| t.evaluated().is_none()).collect();
     if pending.is_empty() {
         return Ok(());
     }
@@ -263,7 +303,7 @@ fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
     for (worker, group) in by_worker(tensors.0) {
         worker.submit(Box::new(move |st: &mut State| {
             let mut v = ffi::array_vec_new();
-            for t in group.iter().filter(|t| t.evaluated.get().is_none()) {
+            for t in group.iter().filter(|t| t.evaluated().is_none()) {
                 // A failed input reports its error at the next waiting call.
                 if let Ok(a) = st.get(t.id, "async_eval") {
                     ffi::array_vec_push(v.pin_mut(), a);
@@ -332,5 +372,18 @@ fn tensor_on_stream(tensor: TensorArg, stream: StreamArg) -> bool {
 /// stream can read it without waiting on its own.
 #[rustler::nif]
 fn tensor_evaluated(tensor: TensorArg) -> bool {
-    tensor.evaluated.get().is_some()
+    tensor.evaluated().is_some()
+}
+
+/// `tensor_release(tensor)`: frees `tensor`'s array now instead of when the BEAM collects
+/// the handle (MLX can then reuse its buffer at once). Returns `:ok`, or
+/// `:already_released`. Later uses of the handle fail with `Emily.Error`; other tensors
+/// computed from it are unaffected.
+#[rustler::nif]
+fn tensor_release(tensor: TensorArg) -> rustler::Atom {
+    if tensor.release() {
+        crate::atoms::ok()
+    } else {
+        crate::atoms::already_released()
+    }
 }

@@ -272,6 +272,46 @@ impl Drop for Worker {
     }
 }
 
+/// How long an idle worker polls its queue before it sleeps, in nanoseconds (0: never
+/// polls). See `set_spin`.
+static SPIN_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Sets how long an idle worker polls its queue before it sleeps.
+///
+/// Waking a sleeping thread takes the OS several microseconds, twice per round trip
+/// (caller to worker, worker back to the caller), which is most of what a one-op
+/// evaluation costs beyond MLX's own work. A worker that polls for a while after each job
+/// picks up the next one at once, at the price of a core kept busy meanwhile: worth it
+/// where cores are plentiful (a GPU host), not on a machine whose few cores the BEAM's
+/// schedulers and MLX's threads already share.
+pub fn set_spin(d: std::time::Duration) {
+    SPIN_NS.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
+}
+
+pub fn spin() -> std::time::Duration {
+    std::time::Duration::from_nanos(SPIN_NS.load(Ordering::Relaxed))
+}
+
+/// Polls the queue for up to `SPIN_NS`; `None` if nothing came in that time.
+fn poll(session: &Session) -> Option<Result<Job, TryRecvError>> {
+    let spin = SPIN_NS.load(Ordering::Relaxed);
+    if spin == 0 {
+        return None;
+    }
+    let start = std::time::Instant::now();
+    loop {
+        for _ in 0..64 {
+            match session.rx.try_recv() {
+                Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                other => return Some(other),
+            }
+        }
+        if start.elapsed().as_nanos() as u64 >= spin {
+            return None;
+        }
+    }
+}
+
 /// The session's next job, sleeping while there is none; `None` once it is over.
 fn next_job(session: &Session) -> Option<Job> {
     loop {
@@ -279,6 +319,11 @@ fn next_job(session: &Session) -> Option<Job> {
             Ok(job) => return Some(job),
             Err(TryRecvError::Disconnected) => return None,
             Err(TryRecvError::Empty) => {}
+        }
+        match poll(session) {
+            Some(Ok(job)) => return Some(job),
+            Some(Err(_)) => return None,
+            None => {}
         }
         session.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);

@@ -65,8 +65,8 @@ impl Inputs {
     pub fn push(&mut self, t: &TensorArg, worker: Option<&Arc<Worker>>) {
         let input = if worker.is_some_and(|w| Arc::ptr_eq(&t.worker, w)) {
             Input::Local(t.id)
-        } else if let Some(a) = t.evaluated.get() {
-            Input::Shared(a.clone())
+        } else if let Some(a) = t.evaluated() {
+            Input::Shared(a)
         } else {
             Input::Foreign(t.clone())
         };
