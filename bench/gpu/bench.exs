@@ -14,6 +14,9 @@ Code.require_file("../support/bench.exs", __DIR__)
 defmodule GpuBench do
   alias Emily.Native, as: N
 
+  # The polling time of the `spin` rows (`Emily.Stream.set_spin/1`).
+  @spin 50
+
   # Best mean seconds per call.
   def best(fun, reps, rounds \\ 5), do: Bench.best(fun, reps, rounds) / 1.0e6
 
@@ -24,12 +27,33 @@ defmodule GpuBench do
     N.astype(s, N.reshape(s, x, shape), dtype)
   end
 
-  # Evaluates `t` and lets it go at once, as Python's reference counting does: the BEAM
-  # frees a dropped tensor at its next garbage collection, and until then MLX cannot reuse
-  # its buffer (every call would allocate a fresh GiB).
+  # Evaluates `t` and frees it at once, as Python's reference counting does, so MLX
+  # reuses its buffer for the next call (otherwise every call would allocate a fresh one
+  # until the BEAM collects the handle).
   def eval_and_drop(t) do
     Emily.eval(t)
-    :erlang.garbage_collect()
+    Emily.release(t)
+  end
+
+  # The three host-overhead figures, with the workers and waiting callers polling for
+  # `spin` microseconds before they sleep (`Emily.Stream.set_spin/1`).
+  def overhead(s, x, one, spin) do
+    previous = Emily.Stream.set_spin(spin)
+    suffix = if spin == 0, do: "", else: "_spin"
+
+    try do
+      lazy = best(fn -> Enum.each(1..100, fn _ -> N.add(s, x, one) end) end, 20) / 100
+      op_eval = best(fn -> Emily.eval(N.add(s, x, one)) end, 500)
+      op_read = best(fn -> Emily.to_binary(N.add(s, x, one)) end, 500)
+
+      %{
+        "emily_lazy_op#{suffix}_us" => lazy * 1.0e6,
+        "emily_op_eval#{suffix}_us" => op_eval * 1.0e6,
+        "emily_op_read#{suffix}_us" => op_read * 1.0e6
+      }
+    after
+      Emily.Stream.set_spin(previous)
+    end
   end
 
   def figures(s) do
@@ -37,9 +61,7 @@ defmodule GpuBench do
     one = N.full(s, {}, 1.0, {:f, 32})
     Emily.eval([x, one])
 
-    lazy = best(fn -> Enum.each(1..100, fn _ -> N.add(s, x, one) end) end, 20) / 100
-    op_eval = best(fn -> Emily.eval(N.add(s, x, one)) end, 500)
-    op_read = best(fn -> Emily.to_binary(N.add(s, x, one)) end, 500)
+    overhead = Map.merge(overhead(s, x, one, 0), overhead(s, x, one, @spin))
 
     n = 8192
 
@@ -58,14 +80,8 @@ defmodule GpuBench do
     Emily.eval([big, two])
     t = best(fn -> eval_and_drop(N.multiply(s, big, two)) end, 10, 3)
 
-    Map.new(
-      [
-        {"emily_lazy_op_us", lazy * 1.0e6},
-        {"emily_op_eval_us", op_eval * 1.0e6},
-        {"emily_op_read_us", op_read * 1.0e6},
-        {"emily_elementwise_tbs", 2 * m * 4 / t / 1.0e12}
-      ] ++ matmuls
-    )
+    Map.new([{"emily_elementwise_tbs", 2 * m * 4 / t / 1.0e12} | matmuls])
+    |> Map.merge(overhead)
   end
 end
 
@@ -79,6 +95,7 @@ emily =
 
     Map.merge(emily, %{
       "emily_decode_ms" => d.op_by_op * 1.0e3,
+      "emily_decode_spin_ms" => d.op_by_op_spin * 1.0e3,
       "emily_decode_program_ms" => d.program * 1.0e3,
       "emily_decode_compiled_ms" => d.compiled * 1.0e3,
       "emily_decode_max_diff" => d.max_diff
@@ -101,26 +118,38 @@ rows =
     {"lazy op node (us)", "lazy_op_us"},
     {"one op + eval (us)", "op_eval_us"},
     {"one op + read to host (us)", "op_read_us"},
+    {"lazy op node, spin 50 us (us)", "lazy_op_spin_us", "lazy_op_us"},
+    {"one op + eval, spin 50 us (us)", "op_eval_spin_us", "op_eval_us"},
+    {"one op + read to host, spin 50 us (us)", "op_read_spin_us", "op_read_us"},
     {"matmul 8192^3 bf16 (TFLOP/s)", "matmul_bf16_tflops"},
     {"matmul 8192^3 f16 (TFLOP/s)", "matmul_f16_tflops"},
     {"matmul 8192^3 f32 (TFLOP/s)", "matmul_f32_tflops"},
     {"elementwise f32, 1 GiB in + out (TB/s)", "elementwise_tbs"}
-  ] ++ if(decode?, do: [{"decode step, Qwen3-0.6B shapes (ms)", "decode_ms"}], else: [])
+  ] ++
+    if(decode?,
+      do: [
+        {"decode step, Qwen3-0.6B shapes (ms)", "decode_ms"},
+        {"decode step, spin 50 us (ms)", "decode_spin_ms", "decode_ms"}
+      ],
+      else: []
+    )
 
 IO.puts("| figure | Emily | Python MLX | Emily / Python MLX | PyTorch |")
 IO.puts("|---|---|---|---|---|")
 
-for {label, key} <- rows do
+for row <- rows do
+  # A spin row compares with Python's plain figure (Python has no worker to wake).
+  {label, key, ref_key} = with {label, key} <- row, do: {label, key, key}
   e = emily["emily_" <> key]
-  p = ref["mlx_" <> key]
+  p = ref["mlx_" <> ref_key]
 
   torch =
-    case key do
+    case ref_key do
       "decode_ms" ->
         "eager #{f.(ref["torch_decode_eager_ms"])}, CUDA graph #{f.(ref["torch_decode_graph_ms"])}"
 
       _ ->
-        f.(ref["torch_" <> key])
+        f.(ref["torch_" <> ref_key])
     end
 
   IO.puts("| #{label} | #{f.(e)} | #{f.(p)} | #{ratio.(e, p)} | #{torch} |")

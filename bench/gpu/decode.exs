@@ -44,8 +44,22 @@ defmodule GpuDecode do
     x0 = w.({1, 1, @h})
     Emily.eval([norm, head, x0 | Enum.flat_map(layers, &Map.values/1)])
 
-    op_by_op =
-      GpuBench.best(fn -> GpuBench.eval_and_drop(step(s, layers, norm, head, x0)) end, 20, 3)
+    # Python drops the step's intermediates when `step()` returns, before `mx.eval`, so
+    # MLX frees each buffer as soon as its last consumer has run. Here the handles die at
+    # the process's next garbage collection: collecting before the eval does the same.
+    op_by_op_step = fn ->
+      out = step(s, layers, norm, head, x0)
+      :erlang.garbage_collect()
+      GpuBench.eval_and_drop(out)
+    end
+
+    # Without polling, and with (Emily.Stream.set_spin/1, 50 us by default on a GPU):
+    # a polling worker builds each node as it is queued, while the caller queues the next.
+    previous = Emily.Stream.set_spin(0)
+    op_by_op = GpuBench.best(op_by_op_step, 20, 3)
+    Emily.Stream.set_spin(50)
+    op_by_op_spin = GpuBench.best(op_by_op_step, 20, 3)
+    Emily.Stream.set_spin(previous)
 
     # The same step as one Emily.Program: one native call per step, and the
     # intermediates live and die inside it.
@@ -84,7 +98,13 @@ defmodule GpuDecode do
 
     [max_diff] = Emily.to_list(diff)
 
-    %{op_by_op: op_by_op, program: runs[false], compiled: runs[true], max_diff: max_diff}
+    %{
+      op_by_op: op_by_op,
+      op_by_op_spin: op_by_op_spin,
+      program: runs[false],
+      compiled: runs[true],
+      max_diff: max_diff
+    }
   end
 
   # Instructions of one step over the inputs laid out as in run/1: 13 weights per layer,
