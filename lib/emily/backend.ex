@@ -68,6 +68,9 @@ if Code.ensure_loaded?(Nx) do
     `m <= n`); other structs and input types run the block's default implementation, Nx
     ops that run on this backend.
 
+    `Emily.Fast`'s blocks (norms, rope, attention) run MLX's fused kernels for f16, bf16
+    and f32, and their default implementation for f64.
+
     ## Linear algebra
 
     LAPACK through MLX, on a CPU worker (MLX's linalg is CPU-only), in the input's type.
@@ -1006,6 +1009,13 @@ if Code.ensure_loaded?(Nx) do
     # `native_block?/3` accepts the arguments (types MLX computes with, supported
     # options); anything else runs the struct's default implementation, `fun`.
 
+    @fast_blocks [
+      Emily.Fast.RMSNorm,
+      Emily.Fast.LayerNorm,
+      Emily.Fast.RoPE,
+      Emily.Fast.ScaledDotProductAttention
+    ]
+
     @impl true
     def block(struct, out, args, fun) do
       if native_block?(struct, out, args),
@@ -1064,6 +1074,13 @@ if Code.ensure_loaded?(Nx) do
          do: real?(t)
 
     defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]), do: real?(a) and real?(b)
+
+    # Emily.Fast's fused kernels: Emily.Fast.native_call/3 names the Native op and the
+    # casts of its arguments (nil where the block runs its default).
+    defp native_block?(%struct{} = block, out, args) when struct in @fast_blocks,
+      do:
+        native_type?(out) and native_inputs?(args) and
+          Emily.Fast.native_call(block, out, args) != nil
 
     defp native_block?(_struct, _out, _args), do: false
 
@@ -1179,6 +1196,23 @@ if Code.ensure_loaded?(Nx) do
       x = ref(t, s)
       d = if n <= 3, do: N.det(s, x), else: Emily.Backend.LinAlg.det(s, x, rank, n)
       linalg_out(d, out, s)
+    end
+
+    defp n_block(%struct{} = block, %T{type: type} = out, args) when struct in @fast_blocks do
+      require Emily.Debug
+      {op, spec} = Emily.Fast.native_call(block, out, args)
+      s = stream(args, type)
+      inputs = List.to_tuple(args)
+
+      call_args =
+        Enum.map(spec, fn
+          {:arg, i, arg_type} -> ref(elem(inputs, i), s, arg_type)
+          other -> other
+        end)
+
+      x = apply(N, op, [s | call_args])
+      if op not in [:rope, :rope_array], do: Emily.Debug.check_finite(s, x, op)
+      wrap(x, out, s)
     end
 
     defp fft_block(op, %T{type: type} = out, t, args, eps) do

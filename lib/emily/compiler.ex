@@ -21,9 +21,10 @@ if Code.ensure_loaded?(Nx) do
     logical ops give Nx's u8), `as_type` (but not float or complex to integer),
     `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `dot` (batched too),
     `sum`/`product`/`reduce_max`/`reduce_min`/`all`/`any`, `select`, `clip`, static
-    `slice` and `concatenate`, over the types MLX computes with (not f64 on a GPU). A
-    graph with anything else (`while`, `cond`, hooks, tokens, blocks, other ops, other
-    types, vectorized tensors) runs whole on the evaluator path and emits
+    `slice` and `concatenate`, and `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused
+    kernels, over the types MLX computes with (not f64 on a GPU). A graph with anything
+    else (`while`, `cond`, hooks, tokens, other blocks, other ops, other types,
+    vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, ...). The evaluator path stays the default.
 

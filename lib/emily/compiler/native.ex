@@ -25,6 +25,13 @@ if Code.ensure_loaded?(Nx) do
 
     @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
+    @fast_blocks [
+      Emily.Fast.RMSNorm,
+      Emily.Fast.LayerNorm,
+      Emily.Fast.RoPE,
+      Emily.Fast.ScaledDotProductAttention
+    ]
+
     # Integers beyond this do not survive the op table's `float` argument exactly.
     @max_exact 9_007_199_254_740_992
 
@@ -306,6 +313,27 @@ if Code.ensure_loaded?(Nx) do
     defp lower_op(:concatenate, [tensors, axis], %T{type: type}, st) do
       {slots, st} = Enum.map_reduce(tensors, st, &operand(&1, type, &2))
       emit(st, :concatenate, [slots, axis])
+    end
+
+    # Emily.Fast's blocks lower to their fused kernel (Emily.Fast.native_call/3 names it
+    # and the casts of its arguments); other blocks are not lowered.
+    defp lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
+         when struct in @fast_blocks do
+      case Emily.Fast.native_call(block, t, in_args) do
+        nil ->
+          throw({:unsupported, {:block, struct}})
+
+        {op, spec} ->
+          inputs = List.to_tuple(in_args)
+
+          {args, st} =
+            Enum.map_reduce(spec, st, fn
+              {:arg, i, type}, st -> operand(elem(inputs, i), type, st)
+              other, st -> {other, st}
+            end)
+
+          emit(st, op, args)
+      end
     end
 
     # A tuple's element: the tuple comes from `while`, `cond`, a block or the like.
