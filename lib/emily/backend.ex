@@ -1009,12 +1009,7 @@ if Code.ensure_loaded?(Nx) do
     # `native_block?/3` accepts the arguments (types MLX computes with, supported
     # options); anything else runs the struct's default implementation, `fun`.
 
-    @fast_blocks [
-      Emily.Fast.RMSNorm,
-      Emily.Fast.LayerNorm,
-      Emily.Fast.RoPE,
-      Emily.Fast.ScaledDotProductAttention
-    ]
+    @fast_blocks Emily.Fast.blocks()
 
     @impl true
     def block(struct, out, args, fun) do

@@ -75,6 +75,10 @@ if Code.ensure_loaded?(Nx) do
 
     @type tensor :: Nx.Tensor.t() | number
 
+    @doc false
+    # The block structs, for the backend's and the native compiler's dispatch.
+    def blocks, do: [RMSNorm, LayerNorm, RoPE, ScaledDotProductAttention]
+
     ## RMS norm
 
     @doc """

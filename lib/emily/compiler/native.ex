@@ -25,12 +25,7 @@ if Code.ensure_loaded?(Nx) do
 
     @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
-    @fast_blocks [
-      Emily.Fast.RMSNorm,
-      Emily.Fast.LayerNorm,
-      Emily.Fast.RoPE,
-      Emily.Fast.ScaledDotProductAttention
-    ]
+    @fast_blocks Emily.Fast.blocks()
 
     # Integers beyond this do not survive the op table's `float` argument exactly.
     @max_exact 9_007_199_254_740_992
