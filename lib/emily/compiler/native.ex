@@ -261,6 +261,10 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp lower_op(:dot, [l, cl, bl, r, cr, br], %T{type: type}, st) do
+      # With :debug_detect_nan_inf, a graph with a dot runs on the evaluator path, where
+      # Emily.Backend checks the result of every dot (Emily.Debug).
+      if Emily.Debug.detect_nan_inf?(), do: throw({:unsupported, :debug_detect_nan_inf})
+
       {l, st} = operand(l, type, st)
       {r, st} = operand(r, type, st)
       emit(st, :dot, [l, cl, bl, r, cr, br])
