@@ -17,3 +17,14 @@ fallback =
   end
 
 config :emily, :fallback, fallback
+
+# Compile-time debug checks (Emily.Debug), off unless named in EMILY_DEBUG, a
+# comma-separated list: EMILY_DEBUG=bounds,nan_inf turns on :debug_bounds_check and
+# :debug_detect_nan_inf. A project depending on Emily recompiles it when they change;
+# Emily's own build notices only a changed config file: `touch config/config.exs` first.
+debug =
+  System.get_env("EMILY_DEBUG", "") |> String.split(",", trim: true) |> Enum.map(&String.trim/1)
+
+config :emily,
+  debug_bounds_check: "bounds" in debug,
+  debug_detect_nan_inf: "nan_inf" in debug

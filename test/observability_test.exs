@@ -148,11 +148,80 @@ defmodule Emily.ObservabilityTest do
   end
 
   describe "Emily.Debug" do
-    test "the flags default to off, and the check macros then evaluate nothing" do
-      refute Emily.Debug.bounds_check?()
-      refute Emily.Debug.detect_nan_inf?()
-      assert Emily.Debug.check_bounds(raise("no"), raise("no"), raise("no"), :take) == :ok
-      assert Emily.Debug.check_finite(raise("no"), raise("no"), :matmul) == :ok
+    # The flags are fixed at compile time (off unless EMILY_DEBUG names them, see
+    # config/config.exs): each state gets the test it can run.
+    if Emily.Debug.bounds_check?() do
+      test "with :debug_bounds_check, check_bounds/4 checks" do
+        assert Emily.Debug.check_bounds(s(), t([0, 1], {:s, 32}), 2, :take) == :ok
+
+        assert_raise Emily.Error, ~r/take: 1 of the indices s32\[2\] are outside 0..1/, fn ->
+          Emily.Debug.check_bounds(s(), t([0, 2], {:s, 32}), 2, :take)
+        end
+      end
+    else
+      test "without :debug_bounds_check (the default), check_bounds/4 evaluates nothing" do
+        refute Emily.Debug.bounds_check?()
+        assert Emily.Debug.check_bounds(raise("no"), raise("no"), raise("no"), :take) == :ok
+      end
+    end
+
+    if Emily.Debug.detect_nan_inf?() do
+      test "with :debug_detect_nan_inf, check_finite/3 checks" do
+        assert Emily.Debug.check_finite(s(), t([1.0]), :matmul) == :ok
+
+        assert_raise Emily.Error, ~r/matmul: 1 NaN or infinite values/, fn ->
+          Emily.Debug.check_finite(s(), t([1.0, :nan]), :matmul)
+        end
+      end
+    else
+      test "without :debug_detect_nan_inf (the default), check_finite/3 evaluates nothing" do
+        refute Emily.Debug.detect_nan_inf?()
+        assert Emily.Debug.check_finite(raise("no"), raise("no"), :matmul) == :ok
+      end
+    end
+
+    test "assert_in_bounds!/4 with one size per column checks each column against its own" do
+      # {3, 2} indices into axes of 2 and 4: column 1 may hold 2 and 3, column 0 may not.
+      assert Emily.Debug.assert_in_bounds!(
+               s(),
+               t([0, 3, 1, 2, 1, 0], {:s, 32}, {3, 2}),
+               [2, 4],
+               :gather
+             ) ==
+               :ok
+
+      e =
+        assert_raise Emily.Error, fn ->
+          idx = t([2, 0, 1, 4, -1, -1, 1, 3], {:s, 64}, {4, 2})
+          Emily.Debug.assert_in_bounds!(s(), idx, [2, 4], :indexed_add)
+        end
+
+      assert e.op == "indexed_add"
+
+      assert e.message =~
+               "indexed_add: 4 of the indices s64[4, 2] are outside their axes' ranges (0..1, 0..3)"
+
+      # {2, 2, 1}: one column, for an axis of 3.
+      assert_raise Emily.Error, ~r/1 of the indices u8\[2, 2, 1\]/, fn ->
+        Emily.Debug.assert_in_bounds!(s(), t([0, 1, 2, 3], {:u, 8}, {2, 2, 1}), [3], :gather)
+      end
+    end
+
+    test "scalar indices and scalar results are counted as numbers" do
+      # (MLX's sum over a scalar keeps the bool of the comparison.)
+      assert Emily.Debug.assert_in_bounds!(s(), t([1], {:s, 32}, {}), 2, :take) == :ok
+
+      assert_raise Emily.Error, ~r/take: 1 of the indices s32\[\] are outside 0..1/, fn ->
+        Emily.Debug.assert_in_bounds!(s(), t([2], {:s, 32}, {}), 2, :take)
+      end
+
+      with_cpu(fn ->
+        assert Emily.Debug.assert_finite!(s(), t([1.0], {:f, 32}, {}), :dot) == :ok
+
+        assert_raise Emily.Error, ~r/dot: 1 NaN or infinite values in a f32\[\] result/, fn ->
+          Emily.Debug.assert_finite!(s(), t([:infinity], {:f, 32}, {}), :dot)
+        end
+      end)
     end
 
     test "assert_in_bounds!/4 accepts 0..size-1 and reports values outside, for every index type" do

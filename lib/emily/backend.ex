@@ -87,6 +87,18 @@ if Code.ensure_loaded?(Nx) do
     once by `Nx.backend_deallocate/1` (and by `Nx.backend_transfer/3` to another backend
     or device), after which the tensor raises `Emily.Error` if used (`Emily.release/1`).
 
+    ## Debug checks
+
+    With `config :emily, debug_bounds_check: true` (compile time, `Emily.Debug`), the
+    indices of `take`, `take_along_axis`, `gather`, `indexed_add` and `indexed_put` are
+    checked before the op and an out-of-range one (negative, or not below its axis's
+    size; gather's and the indexed ops' `{..., k}` indices column by column against the
+    `k` axes they address) raises `Emily.Error`. Without it, read indices are clamped
+    into range and writes at out-of-range indices are dropped. With
+    `debug_detect_nan_inf: true`, a `dot`, or an `Emily.Fast` norm or attention, whose
+    result holds NaN or an infinity raises `Emily.Error`. Both evaluate what they check
+    (a round trip per op); off, they compile to nothing.
+
     ## Not supported
 
       * `Nx.to_pointer/2` and `Nx.from_pointer/5`: MLX's buffers are not shared out of
@@ -105,6 +117,8 @@ if Code.ensure_loaded?(Nx) do
     alias Emily.Backend, as: B
     alias Emily.Backend.{Fallback, Storage}
     alias Emily.Native, as: N
+
+    require Emily.Debug
 
     @check? Application.compile_env(:emily, :check_shape_and_type, false)
 
@@ -795,26 +809,53 @@ if Code.ensure_loaded?(Nx) do
     # matmul being floating point only, integer dots multiply and sum, wrapping like Nx.
     defp n_dot(%T{type: type} = out, l, cl, bl, r, cr, br) do
       s = stream([l, r], type)
-      wrap(N.dot(s, ref(l, s, type), cl, bl, ref(r, s, type), cr, br), out, s)
+      x = N.dot(s, ref(l, s, type), cl, bl, ref(r, s, type), cr, br)
+      Emily.Debug.check_finite(s, x, :dot)
+      wrap(x, out, s)
     end
 
     ## Indexing, sorting and window scatters
 
+    # :debug_bounds_check (Emily.Debug): raises Emily.Error where an index is outside the
+    # axis of `t` it addresses, before the op (whose reads clamp and writes drop such
+    # indices). `axes` is one axis, addressed by every index (take, take_along_axis), or a
+    # list of k, one per column of the indices' last axis (gather, indexed ops). With the
+    # flag off, this expands to `:ok`: not even the sizes are computed.
+    defmacrop check_indices(s, indices, t, axes, op) do
+      sizes =
+        quote do
+          case {unquote(t).shape, unquote(axes)} do
+            {shape, axis} when is_integer(axis) -> elem(shape, axis)
+            {shape, axes} -> Enum.map(axes, &elem(shape, &1))
+          end
+        end
+
+      quote do
+        Emily.Debug.check_bounds(unquote(s), unquote(indices), unquote(sizes), unquote(op))
+      end
+    end
+
     defp n_gather(%T{type: type} = out, t, indices, opts) do
       s = stream([t, indices], type)
-      wrap(N.gather(s, ref(t, s), ref(indices, s), opts[:axes]), out, s)
+      i = ref(indices, s)
+      check_indices(s, i, t, opts[:axes], :gather)
+      wrap(N.gather(s, ref(t, s), i, opts[:axes]), out, s)
     end
 
     defp n_indexed_put(out, t, indices, updates, opts),
-      do: scatter(:scatter, out, t, indices, updates, opts)
+      do: scatter(:indexed_put, out, t, indices, updates, opts)
 
     defp n_indexed_add(out, t, indices, updates, opts),
-      do: scatter(:scatter_add, out, t, indices, updates, opts)
+      do: scatter(:indexed_add, out, t, indices, updates, opts)
+
+    @scatters %{indexed_put: :scatter, indexed_add: :scatter_add}
 
     defp scatter(op, %T{type: type} = out, t, indices, updates, opts) do
       s = stream([t, indices, updates], type)
-      args = [s, ref(t, s, type), ref(indices, s), ref(updates, s, type), opts[:axes]]
-      wrap(apply(N, op, args), out, s)
+      i = ref(indices, s)
+      check_indices(s, i, t, opts[:axes], op)
+      args = [s, ref(t, s, type), i, ref(updates, s, type), opts[:axes]]
+      wrap(apply(N, Map.fetch!(@scatters, op), args), out, s)
     end
 
     # MLX's (Emily's) sorts are stable in both directions, so :stable needs nothing.
@@ -1097,14 +1138,18 @@ if Code.ensure_loaded?(Nx) do
       wrap(N.arctan2(s, N.imag(s, x), N.real(s, x)), out, s)
     end
 
-    defp n_block(%Nx.Block.Take{axis: axis}, %T{type: type} = out, [t, i]) do
-      s = stream([t, i], type)
-      wrap(N.take(s, ref(t, s), ref(i, s), axis), out, s)
+    defp n_block(%Nx.Block.Take{axis: axis}, %T{type: type} = out, [t, indices]) do
+      s = stream([t, indices], type)
+      i = ref(indices, s)
+      check_indices(s, i, t, axis, :take)
+      wrap(N.take(s, ref(t, s), i, axis), out, s)
     end
 
-    defp n_block(%Nx.Block.TakeAlongAxis{axis: axis}, %T{type: type} = out, [t, i]) do
-      s = stream([t, i], type)
-      wrap(N.take_along_axis(s, ref(t, s), ref(i, s), axis), out, s)
+    defp n_block(%Nx.Block.TakeAlongAxis{axis: axis}, %T{type: type} = out, [t, indices]) do
+      s = stream([t, indices], type)
+      i = ref(indices, s)
+      check_indices(s, i, t, axis, :take_along_axis)
+      wrap(N.take_along_axis(s, ref(t, s), i, axis), out, s)
     end
 
     defp n_block(%Nx.Block.TopK{k: k}, {%T{type: vt} = v, %T{type: it} = i}, [t]) do

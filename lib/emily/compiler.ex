@@ -26,7 +26,9 @@ if Code.ensure_loaded?(Nx) do
     else (`while`, `cond`, hooks, tokens, other blocks, other ops, other types,
     vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
-    (`{:op, op}`, `{:type, type}`, ...). The evaluator path stays the default.
+    (`{:op, op}`, `{:type, type}`, ...). With `:debug_detect_nan_inf` (`Emily.Debug`),
+    `dot` is not lowered (reason `:debug_detect_nan_inf`), so that `Emily.Backend` checks
+    each one. The evaluator path stays the default.
 
     ## Options
 

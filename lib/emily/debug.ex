@@ -10,15 +10,28 @@ defmodule Emily.Debug do
   off, its check macros expand to `:ok`, so the check costs nothing, not even a function
   call (Emily must be recompiled after changing them). When on, each check evaluates
   what it checks and reads one number back, so it is for debugging, not production.
+  (This repository's own config turns them on from the environment, for its test
+  suites: `EMILY_DEBUG=bounds,nan_inf`.)
 
   Where they apply:
 
-    * `check_finite/3` runs after `Emily.eval/1` and `Emily.to_binary/1` on their
-      (floating-point and complex) results, and is the hook for `Emily.Backend` to call
-      after matmul, norms and attention.
-    * `check_bounds/4` is the hook for the indexed ops (take, gather, scatter and their
-      kin): `Emily.Backend` calls it on their indices before the op.
+    * `:debug_bounds_check`: `Emily.Backend` calls `check_bounds/4` on the indices of
+      `Nx.take/3`, `Nx.take_along_axis/3`, `Nx.gather/3`, `Nx.indexed_add/4` and
+      `Nx.indexed_put/4` before the op, so also under `Emily.Compiler` (these ops run
+      on its evaluator path). An index is out of range when it is negative (Nx does not
+      wrap indices around) or not below the size of the axis it addresses; the indices of
+      gather and the indexed ops, `{..., k}`, are checked column by column against the
+      `k` axes they address. Without the flag, Emily clamps read indices into range and
+      drops writes at out-of-range indices (MLX itself does not check). Slices with
+      tensor start indices are not checked: Nx clamps their starts by definition.
+    * `:debug_detect_nan_inf`: `check_finite/3` runs on the result of every `Nx.dot/2`
+      (and `Nx.dot/6`) in `Emily.Backend` (with the flag, `Emily.Compiler`'s native path
+      leaves `dot` to the evaluator path, so that each one is checked), and after
+      `Emily.eval/1` and `Emily.to_binary/1` on their results, which covers every
+      tensor read back to Elixir. It is the hook for the fused kernels (norms,
+      attention): call it on their results.
 
+  Only floating-point and complex results are checked for NaN and infinities.
   Each raises `Emily.Error` naming the op and how many values failed.
   """
 
@@ -34,8 +47,9 @@ defmodule Emily.Debug do
   def detect_nan_inf?, do: @nan_inf
 
   @doc """
-  With `:debug_bounds_check`, raises `Emily.Error` unless every value of `indices` is in
-  `0..size-1`; otherwise expands to `:ok` (nothing is evaluated).
+  With `:debug_bounds_check`, raises `Emily.Error` unless every index of `indices` is in
+  range (`size` an axis size, or a list of sizes for `{..., k}` indices: see
+  `assert_in_bounds!/4`); otherwise expands to `:ok` (no argument is evaluated).
   """
   defmacro check_bounds(stream, indices, size, op) do
     if @bounds do
@@ -54,7 +68,7 @@ defmodule Emily.Debug do
 
   @doc """
   With `:debug_detect_nan_inf`, raises `Emily.Error` if `tensor` (or any tensor of a
-  list) holds NaN or an infinity; otherwise expands to `:ok` (nothing is evaluated).
+  list) holds NaN or an infinity; otherwise expands to `:ok` (no argument is evaluated).
   """
   defmacro check_finite(stream, tensor, op) do
     if @nan_inf do
@@ -67,23 +81,66 @@ defmodule Emily.Debug do
   end
 
   @doc """
-  Raises `Emily.Error` unless every value of `indices` (an integer tensor) is in
-  `0..size-1`. Evaluates `indices`. Always checks, whatever the flags.
+  Raises `Emily.Error` unless every index of `indices` (an integer tensor) is in range:
+
+    * `size` an integer: every value in `0..size-1` (the indices of `Nx.take/3` and
+      `Nx.take_along_axis/3`, which all address one axis);
+    * `size` a list of `k` sizes: `indices` has shape `{..., k}` and its column `j` (along
+      the last axis) addresses an axis of `Enum.at(size, j)` (the indices of
+      `Nx.gather/3` and the indexed ops, `{..., k}` addressing `k` axes).
+
+  Negative indices are out of range (Nx does not wrap them around). Evaluates `indices`
+  and reads one count back. Always checks, whatever the flags.
   """
-  @spec assert_in_bounds!(Emily.Stream.t(), Emily.tensor(), non_neg_integer, String.t() | atom) ::
-          :ok
+  @spec assert_in_bounds!(
+          Emily.Stream.t(),
+          Emily.tensor(),
+          non_neg_integer | [non_neg_integer],
+          String.t() | atom
+        ) :: :ok
   def assert_in_bounds!(stream, indices, size, op) when is_integer(size) and size >= 0 do
-    case Emily.to_list(Emily.Native.debug_count_out_of_bounds(stream, indices, size)) do
-      [0] ->
+    count = Emily.Native.debug_count_out_of_bounds(stream, indices, size)
+    report_out_of_bounds(stream, count, indices, "outside 0..#{size - 1}", op)
+  end
+
+  def assert_in_bounds!(stream, indices, sizes, op) when is_list(sizes) do
+    # One count per column, summed on the device: one value read back.
+    rank = tuple_size(Emily.shape(indices))
+
+    count =
+      sizes
+      |> Enum.with_index()
+      |> Enum.map(fn {size, j} when is_integer(size) and size >= 0 ->
+        Emily.Native.debug_count_out_of_bounds(stream, column(stream, indices, rank, j), size)
+      end)
+      |> Enum.reduce(
+        Emily.Native.full(stream, {}, 0, {:s, 32}),
+        &Emily.Native.add(stream, &1, &2)
+      )
+
+    ranges = Enum.map_join(sizes, ", ", &"0..#{&1 - 1}")
+    report_out_of_bounds(stream, count, indices, "outside their axes' ranges (#{ranges})", op)
+  end
+
+  defp report_out_of_bounds(stream, count, indices, where, op) do
+    case read_count(stream, count) do
+      0 ->
         :ok
 
-      [n] ->
+      n ->
         raise Emily.Error,
           op: to_string(op),
           message:
-            "#{op}: #{n} of the indices #{describe(indices)} are outside 0..#{size - 1} " <>
-              "(debug_bounds_check)"
+            "#{op}: #{n} of the indices #{describe(indices)} are #{where} (debug_bounds_check)"
     end
+  end
+
+  # Column `j` of the last axis of a rank-`rank` tensor (MLX clamps the other stops).
+  defp column(stream, x, rank, j) do
+    big = 2_147_483_647
+    starts = List.duplicate(0, rank - 1) ++ [j]
+    stops = List.duplicate(big, rank - 1) ++ [j + 1]
+    Emily.Native.slice(stream, x, starts, stops, List.duplicate(1, rank))
   end
 
   @doc """
@@ -99,11 +156,11 @@ defmodule Emily.Debug do
 
   def assert_finite!(stream, tensor, op) do
     if floating?(Emily.dtype(tensor)) do
-      case Emily.to_list(Emily.Native.debug_count_nonfinite(stream, tensor)) do
-        [0] ->
+      case read_count(stream, Emily.Native.debug_count_nonfinite(stream, tensor)) do
+        0 ->
           :ok
 
-        [n] ->
+        n ->
           raise Emily.Error,
             op: to_string(op),
             message:
@@ -113,6 +170,13 @@ defmodule Emily.Debug do
     else
       :ok
     end
+  end
+
+  # A count as an integer. (Over a scalar, MLX's sum has no axis to reduce and keeps the
+  # bool of the comparison.)
+  defp read_count(stream, count) do
+    [n] = Emily.to_list(Emily.Native.astype(stream, count, {:s, 32}))
+    n
   end
 
   defp floating?({kind, _}), do: kind in [:f, :bf, :c]

@@ -263,6 +263,10 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp lower_op(:dot, [l, cl, bl, r, cr, br], %T{type: type}, st) do
+      # With :debug_detect_nan_inf, a graph with a dot runs on the evaluator path, where
+      # Emily.Backend checks the result of every dot (Emily.Debug).
+      if Emily.Debug.detect_nan_inf?(), do: throw({:unsupported, :debug_detect_nan_inf})
+
       {l, st} = operand(l, type, st)
       {r, st} = operand(r, type, st)
       emit(st, :dot, [l, cl, bl, r, cr, br])
@@ -319,6 +323,10 @@ if Code.ensure_loaded?(Nx) do
           throw({:unsupported, {:block, struct}})
 
         {op, spec} ->
+          # As for dot: under :debug_detect_nan_inf the backend checks norms and attention.
+          if Emily.Debug.detect_nan_inf?() and op not in [:rope, :rope_array],
+            do: throw({:unsupported, :debug_detect_nan_inf})
+
           inputs = List.to_tuple(in_args)
 
           {args, st} =
