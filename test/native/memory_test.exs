@@ -54,9 +54,13 @@ defmodule Emily.MemoryTest do
     cache = Emily.Memory.stats().cache
     assert cache >= 4 * @mib and cache <= 64 * @mib
 
-    # Other tests' small tensors may be freed meanwhile: no more than a few bytes come back.
-    assert Emily.Memory.clear_cache() == :ok
-    assert Emily.Memory.stats().cache < 1 * @mib
+    # Tensors of processes that just ended are freed on their workers' next job, and
+    # their buffers may land in the cache right after it was cleared: what must hold is
+    # that a clear empties it.
+    assert Enum.any?(1..10, fn _ ->
+             assert Emily.Memory.clear_cache() == :ok
+             Emily.Memory.stats().cache < 1 * @mib
+           end)
 
     assert Emily.Memory.set_cache_limit(0) == 64 * @mib
     Emily.eval(N.full(s(), {1 * @mib}, 1.0, {:f, 32}))
