@@ -1,14 +1,23 @@
-# defn on Emily: an MLP forward pass and a transformer block, run through Emily.Compiler
-# (evaluator path, every node a lazy MLX op; native path, the graph lowered once into one
-# Emily.Program, with and without mx::compile) beside Nx.Defn.Evaluator on
-# Nx.BinaryBackend, in one run. Needs Nx: run it from a Mix project with both Emily and Nx as dependencies,
-# in a non-test environment (the test config checks every op's result):
+# defn on Emily: an MLP forward pass, a transformer block and a chain of elementwise ops,
+# run through Emily.Compiler (evaluator path, every node a lazy MLX op; native path, the
+# graph lowered into one Emily.Program, with and without mx::compile) beside
+# Nx.Defn.Evaluator on Nx.BinaryBackend and Python MLX on the same graph, in one run.
+# Needs Nx: run it from a Mix project with both Emily and Nx as dependencies, in a
+# non-test environment (the test config checks every op's result):
 #
-#     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick]
+#     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick] [repeats]
 #
-# Prints the graph's op count, the median time per call of each (the result read back
-# to the host, so the MLX work is included), the ratio, and Emily's time per op; then
-# the native path's times.
+# Each graph runs at the bench's size and at a tiny one (batch 1, width 8), where kernel
+# time is negligible and a run's time is the host's cost of its ops. Python MLX
+# (bench/defn.py, with PYTHONPATH=$EMILY_CACHE/current) runs the very instructions the
+# native path lowered, one `mx` call per MLX op, eager and with mx.compile; its results
+# must equal Emily's native results exactly (printed as max |diff|, 0.0 when the graphs
+# are the same op for op). `repeats` > 1 alternates the Emily and Python passes and keeps
+# each figure's best, so that load spikes hit both sides alike.
+#
+# Prints, per graph: the lowered program's instruction count (ops), each path's best
+# mean time per run (result read back to the host), time per op, and the ratios to
+# Python; then the chain at two lengths split into a fixed cost per run and a cost per op.
 unless Code.ensure_loaded?(Nx) do
   raise "bench/defn.exs needs Nx (see the comment at the top)"
 end
@@ -44,6 +53,17 @@ defmodule Bench.Defn.Models do
     0.5 * x * (1 + Nx.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))
   end
 
+  # A chain of `n` elementwise ops (one program instruction each): timed at two lengths
+  # on a tiny input, it splits a run's time into a fixed part and a part per op.
+  defn chain(x, opts \\ []) do
+    opts = keyword!(opts, n: 16)
+    unary_chain(x, opts[:n])
+  end
+
+  deftransformp unary_chain(x, n) do
+    Enum.reduce(1..n, x, fn i, acc -> if rem(i, 2) == 0, do: Nx.cos(acc), else: Nx.sin(acc) end)
+  end
+
   # A pre-norm transformer block: multi-head self-attention with a causal mask, then
   # a GELU MLP, each with a residual connection.
   defn block(x, {ln1_g, ln1_b, wqkv, wo, ln2_g, ln2_b, w1, w2}, opts \\ []) do
@@ -72,16 +92,28 @@ defmodule Bench.Defn.Models do
 end
 
 defmodule Bench.Defn do
-  def median_us(fun, runs) do
-    fun.()
+  # A compiler that only lowers: it hands back the native path's program as data, for
+  # the op count and for the Python twin (bench/defn.py).
+  defmodule Lowering do
+    @behaviour Nx.Defn.Compiler
 
-    times =
-      for _ <- 1..runs do
-        {us, _} = :timer.tc(fun)
-        us
-      end
+    @impl true
+    def __jit__(_key, vars, fun, _args, _opts) do
+      throw({:lowered, Emily.Compiler.Native.instructions(vars, fun, device: :cpu)})
+    end
 
-    times |> Enum.sort() |> Enum.at(div(runs, 2))
+    @impl true
+    def __compile__(_key, _vars, _fun, _opts), do: raise("not used")
+    @impl true
+    def __partitions_options__(opts), do: [opts]
+    @impl true
+    def __to_backend__(_opts), do: {Nx.BinaryBackend, []}
+  end
+
+  def lowered(fun, args) do
+    apply(Nx.Defn.jit(fun, compiler: Lowering), args)
+  catch
+    {:lowered, lowered} -> lowered
   end
 
   def random(key, shape, scale) do
@@ -94,7 +126,85 @@ defmodule Bench.Defn do
     {List.to_tuple(list), key}
   end
 
-  def to_emily(container), do: Nx.backend_copy(container, Emily.Backend)
+  def diff(a, b) do
+    a
+    |> Nx.backend_copy(Nx.BinaryBackend)
+    |> Nx.subtract(Nx.backend_copy(b, Nx.BinaryBackend))
+    |> Nx.abs()
+    |> Nx.reduce_max()
+    |> Nx.to_number()
+  end
+
+  # Python literals, for the dump bench/defn.py reads.
+  def py(nil), do: "None"
+  def py(true), do: "True"
+  def py(false), do: "False"
+  def py(a) when is_atom(a), do: "'#{a}'"
+  def py(i) when is_integer(i), do: Integer.to_string(i)
+  def py(f) when is_float(f), do: Float.to_string(f)
+  def py(s) when is_binary(s), do: inspect(s)
+  def py(l) when is_list(l), do: "[" <> Enum.map_join(l, ", ", &py/1) <> "]"
+
+  def py(t) when is_tuple(t),
+    do: "(" <> Enum.map_join(Tuple.to_list(t), "", &(py(&1) <> ", ")) <> ")"
+
+  def py(%{} = m),
+    do: "{" <> Enum.map_join(m, ", ", fn {k, v} -> py(k) <> ": " <> py(v) end) <> "}"
+
+  # One graph: its program, its inputs written out for Python, and Emily's timed paths.
+  def graph(name, fun, args, reps, dir, binary?) do
+    {instrs, n_inputs, outputs, extras, _template} = lowered(fun, args)
+    flat = Nx.Defn.Composite.flatten_list(args) ++ extras
+    ^n_inputs = length(flat)
+    slug = String.replace(name, ~r/[^a-z0-9]+/, "_")
+
+    inputs =
+      for {t, i} <- Enum.with_index(flat) do
+        path = Path.join(dir, "#{slug}_in_#{i}.bin")
+        File.write!(path, Nx.to_binary(Nx.backend_copy(t, Nx.BinaryBackend)))
+        {path, t.shape, t.type}
+      end
+
+    emily_args = Enum.map(args, &Nx.backend_copy(&1, Emily.Backend))
+
+    paths = [
+      {"evaluator", Nx.Defn.jit(fun, compiler: Emily.Compiler)},
+      {"native", Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true)},
+      {"native, mx::compile",
+       Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, compile: true)},
+      # What every call cost before lowered programs were kept: trace, lower, run.
+      {"native, cache: false",
+       Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, cache: false)}
+    ]
+
+    expected =
+      Nx.with_default_backend(Nx.BinaryBackend, fn ->
+        apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
+      end)
+
+    %{
+      name: name,
+      slug: slug,
+      ops: length(instrs),
+      nx_ops: count_ops(fun, args),
+      reps: reps,
+      binary?: binary?,
+      args: args,
+      fun: fun,
+      expected: expected,
+      emily_args: emily_args,
+      paths: paths,
+      native_out: apply(elem(Enum.at(paths, 1), 1), emily_args),
+      dump: %{
+        name: slug,
+        reps: reps,
+        inputs: inputs,
+        outputs: outputs,
+        instrs: instrs,
+        out: Path.join(dir, slug)
+      }
+    }
+  end
 
   # The number of op nodes in the defn graph (parameters and constants aside).
   def count_ops(fun, args) do
@@ -112,111 +222,223 @@ defmodule Bench.Defn do
     end
   end
 
-  def run(name, fun, args, emily_runs, binary_runs) do
-    emily = Nx.Defn.jit(fun, compiler: Emily.Compiler)
-    binary = Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator)
-    emily_args = Enum.map(args, &to_emily/1)
-
-    # The check that both compute the same thing, then the timings.
-    a = emily |> apply(emily_args) |> Nx.backend_copy(Nx.BinaryBackend)
-    b = Nx.with_default_backend(Nx.BinaryBackend, fn -> apply(binary, args) end)
-    diff = a |> Nx.subtract(b) |> Nx.abs() |> Nx.reduce_max() |> Nx.to_number()
-
-    t_emily = median_us(fn -> emily |> apply(emily_args) |> Nx.to_binary() end, emily_runs)
-
-    t_binary =
-      Nx.with_default_backend(Nx.BinaryBackend, fn ->
-        median_us(fn -> apply(binary, args) |> Nx.to_binary() end, binary_runs)
-      end)
-
-    ops = count_ops(fun, args)
-
-    IO.puts(
-      String.pad_trailing(name, 34) <>
-        String.pad_leading("#{ops}", 5) <>
-        String.pad_leading(fmt(t_emily), 12) <>
-        String.pad_leading(fmt(t_binary), 14) <>
-        String.pad_leading("#{Float.round(t_binary / t_emily, 1)}x", 10) <>
-        String.pad_leading("#{Float.round(t_emily / ops, 1)} us", 10) <>
-        "   max |diff| #{Float.round(diff, 7)}"
-    )
-
-    native(name, fun, emily_args, b, emily_runs, t_emily)
-  end
-
-  # The native path, plain and compiled with mx::compile, against the evaluator path.
-  defp native(name, fun, emily_args, expected, runs, t_emily) do
-    for compile <- [false, true] do
-      jit = Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, compile: compile)
-      out = jit |> apply(emily_args) |> Nx.backend_copy(Nx.BinaryBackend)
-      diff = out |> Nx.subtract(expected) |> Nx.abs() |> Nx.reduce_max() |> Nx.to_number()
-      t = median_us(fn -> jit |> apply(emily_args) |> Nx.to_binary() end, runs)
-      label = if compile, do: "  native, mx::compile", else: "  native"
-
-      IO.puts(
-        String.pad_trailing(label, 34) <>
-          String.pad_leading("", 5) <>
-          String.pad_leading(fmt(t), 12) <>
-          String.pad_leading("", 14) <>
-          String.pad_leading("#{Float.round(t_emily / t, 2)}x", 10) <>
-          String.pad_leading("", 10) <>
-          "   max |diff| #{Float.round(diff, 7)}   (vs evaluator path #{name})"
-      )
+  # Emily's paths: best mean per run, the result read back to the host.
+  def emily_pass(g) do
+    for {label, f} <- g.paths, into: %{} do
+      {label, Bench.best(fn -> f |> apply(g.emily_args) |> Nx.to_binary() end, g.reps)}
     end
   end
 
-  defp fmt(us) when us >= 10_000, do: "#{Float.round(us / 1000, 1)} ms"
-  defp fmt(us), do: "#{us} us"
+  def binary_time(g) do
+    f = Nx.Defn.jit(g.fun, compiler: Nx.Defn.Evaluator)
+
+    Nx.with_default_backend(Nx.BinaryBackend, fn ->
+      Bench.best(fn -> f |> apply(g.args) |> Nx.to_binary() end, 1, 3)
+    end)
+  end
+
+  def python(graphs, dir) do
+    dump = Path.join(dir, "graphs.py")
+    File.write!(dump, py(Enum.map(graphs, & &1.dump)))
+
+    Bench.python(Path.join(__DIR__, "defn.py"), [dump], [
+      {"LD_PRELOAD", "libopenblas.so.0"}
+    ])
+  end
+
+  def python_out(g, label) do
+    bin = File.read!("#{g.dump.out}_#{label}_0.bin")
+    Nx.from_binary(bin, g.native_out.type) |> Nx.reshape(g.native_out.shape)
+  end
+
+  def fmt(us) when us >= 10_000, do: "#{Float.round(us / 1000, 1)} ms"
+  def fmt(us), do: :erlang.float_to_binary(us * 1.0, decimals: 1) <> " us"
+  def r(x), do: :erlang.float_to_binary(x, decimals: 2)
 end
 
-quick? = "--quick" in System.argv()
-key = Nx.Random.key(42) |> Nx.backend_copy(Nx.BinaryBackend)
+Code.require_file("support/bench.exs", __DIR__)
 alias Bench.Defn.Models
 
-IO.puts(
-  "MLX #{Emily.mlx_version()} on #{Emily.default_device()}; Nx #{Application.spec(:nx, :vsn)}"
-)
+argv = System.argv()
+quick? = "--quick" in argv
 
-IO.puts(
-  String.pad_trailing("", 34) <>
-    String.pad_leading("ops", 5) <>
-    String.pad_leading("Emily", 12) <>
-    String.pad_leading("BinaryBackend", 14) <>
-    String.pad_leading("speedup", 10) <> String.pad_leading("per op", 10)
-)
-
-{batch, din, hidden, dout} = if quick?, do: {8, 128, 128, 10}, else: {16, 512, 256, 10}
-{x, key} = Bench.Defn.random(key, {batch, din}, 1.0)
-
-{mlp_params, key} =
-  Bench.Defn.params(
-    key,
-    [{din, hidden}, {hidden}, {hidden, hidden}, {hidden}, {hidden, dout}, {dout}],
-    0.05
+repeats =
+  Enum.find_value(
+    argv,
+    1,
+    &(Integer.parse(&1)
+      |> then(fn
+        {n, ""} -> n
+        _ -> nil
+      end))
   )
 
-Bench.Defn.run(
-  "MLP #{batch}x#{din}-#{hidden}-#{hidden}-#{dout}",
-  &Models.mlp/2,
-  [x, mlp_params],
-  200,
-  3
+dir = Path.join(System.tmp_dir!(), "emily_bench_defn_#{System.os_time()}")
+File.mkdir_p!(dir)
+
+IO.puts(
+  "MLX #{Emily.mlx_version()} on #{Emily.default_device()}; Nx #{Application.spec(:nx, :vsn)}; " <>
+    "load average #{File.read!("/proc/loadavg") |> String.split() |> Enum.take(3) |> Enum.join(" ")}"
 )
 
-{seq, d, ffn} = if quick?, do: {16, 64, 256}, else: {32, 128, 512}
-{x, key} = Bench.Defn.random(key, {seq, d}, 1.0)
+key = Nx.Random.key(42) |> Nx.backend_copy(Nx.BinaryBackend)
 
-{block_params, _key} =
-  Bench.Defn.params(
-    key,
-    [{d}, {d}, {d, 3 * d}, {d, d}, {d}, {d}, {d, ffn}, {ffn, d}],
-    0.05
+# {label, MLP {batch, in, hidden, out}, block {seq, d, ffn}, reps per round, BinaryBackend?}:
+# the bench's sizes, and tiny ones where kernel time is negligible, so that the time per
+# op is the host's cost of an op.
+sizes =
+  if quick?,
+    do: [
+      {"", {8, 128, 128, 10}, {16, 64, 256}, 100, true},
+      {"tiny ", {1, 8, 8, 8}, {4, 8, 16}, 300, true}
+    ],
+    else: [
+      {"", {16, 512, 256, 10}, {32, 128, 512}, 100, true},
+      {"tiny ", {1, 8, 8, 8}, {4, 8, 16}, 500, true}
+    ]
+
+graphs =
+  Enum.flat_map(sizes, fn {label, {batch, din, hidden, dout}, {seq, d, ffn}, reps, binary?} ->
+    {x, key} = Bench.Defn.random(key, {batch, din}, 1.0)
+
+    {mlp, key} =
+      Bench.Defn.params(
+        key,
+        [{din, hidden}, {hidden}, {hidden, hidden}, {hidden}, {hidden, dout}, {dout}],
+        0.05
+      )
+
+    {h, key} = Bench.Defn.random(key, {seq, d}, 1.0)
+
+    {block, _key} =
+      Bench.Defn.params(key, [{d}, {d}, {d, 3 * d}, {d, d}, {d}, {d}, {d, ffn}, {ffn, d}], 0.05)
+
+    [
+      Bench.Defn.graph(
+        "#{label}MLP #{batch}x#{din}-#{hidden}-#{hidden}-#{dout}",
+        &Models.mlp/2,
+        [x, mlp],
+        reps,
+        dir,
+        binary?
+      ),
+      Bench.Defn.graph(
+        "#{label}transformer block seq #{seq}, d #{d}",
+        &Models.block/2,
+        [h, block],
+        div(reps, 4),
+        dir,
+        binary?
+      )
+    ]
+  end)
+
+{x, _key} = Bench.Defn.random(key, {1, 8}, 1.0)
+
+chains =
+  for n <- [16, 256] do
+    Bench.Defn.graph("chain of #{n} sin/cos, 1x8", &Models.chain(&1, n: n), [x], 100, dir, false)
+  end
+
+graphs = graphs ++ chains
+
+min_merge = fn maps -> Enum.reduce(maps, &Map.merge(&1, &2, fn _, a, b -> min(a, b) end)) end
+
+passes =
+  for _ <- 1..repeats do
+    emily = for g <- graphs, into: %{}, do: {g.slug, Bench.Defn.emily_pass(g)}
+    {emily, Bench.Defn.python(graphs, dir)}
+  end
+
+emily =
+  passes
+  |> Enum.map(&elem(&1, 0))
+  |> Enum.reduce(&Map.merge(&1, &2, fn _, a, b -> min_merge.([a, b]) end))
+
+python = min_merge.(Enum.map(passes, &elem(&1, 1)))
+
+IO.puts("""
+
+Per run: best mean time (graph built, evaluated, result read back), #{repeats} pass(es).
+ops = instructions of the lowered program (Nx expression nodes in brackets); Python MLX
+runs the same instructions as the same MLX ops (bench/defn.py). Ratios: Emily / Python.
+""")
+
+for g <- graphs do
+  py_eager = python["#{g.slug}_eager"]
+  py_compiled = python["#{g.slug}_compiled"]
+  times = emily[g.slug]
+
+  binary =
+    if g.binary? do
+      t = Bench.Defn.binary_time(g)
+      "; Nx.BinaryBackend #{Bench.Defn.fmt(t)}, native #{round(t / times["native"])}x faster"
+    else
+      ""
+    end
+
+  checks =
+    g.paths
+    |> Enum.map(fn {label, f} -> {label, Bench.Defn.diff(apply(f, g.emily_args), g.expected)} end)
+    |> Enum.map_join(", ", fn {label, d} -> "#{label} #{Float.round(d, 7)}" end)
+
+  IO.puts("""
+  #{g.name}: #{g.ops} ops (#{g.nx_ops})#{binary}
+    max |diff| vs BinaryBackend: #{checks}
+    max |diff| Python MLX vs Emily native: eager #{Bench.Defn.diff(Bench.Defn.python_out(g, "eager"), g.native_out)}, compiled #{Bench.Defn.diff(Bench.Defn.python_out(g, "compiled"), g.native_out)}
+  | path | per run | per op | / Python eager | / Python compiled |
+  |---|---|---|---|---|\
+  """)
+
+  rows =
+    Enum.map(g.paths, fn {label, _} -> {"Emily #{label}", times[label]} end) ++
+      [{"Python MLX eager", py_eager}, {"Python MLX mx.compile", py_compiled}]
+
+  for {label, t} <- rows do
+    IO.puts(
+      "  | #{label} | #{Bench.Defn.fmt(t)} | #{Bench.Defn.fmt(t / g.ops)} | " <>
+        "#{Bench.Defn.r(t / py_eager)} | #{Bench.Defn.r(t / py_compiled)} |"
+    )
+  end
+
+  IO.puts("")
+end
+
+# The chain at two lengths: time per run = fixed + ops x marginal cost of an op.
+[short, long] = chains
+dn = long.ops - short.ops
+
+split = fn t_short, t_long ->
+  per_op = (t_long - t_short) / dn
+  {t_short - short.ops * per_op, per_op}
+end
+
+chain_rows =
+  Enum.map(short.paths, fn {label, _} ->
+    {"Emily #{label}", emily[short.slug][label], emily[long.slug][label]}
+  end) ++
+    for {label, key} <- [{"Python MLX eager", "eager"}, {"Python MLX mx.compile", "compiled"}] do
+      {label, python["#{short.slug}_#{key}"], python["#{long.slug}_#{key}"]}
+    end
+
+{_, py_op} =
+  chain_rows
+  |> Enum.find(&(elem(&1, 0) == "Python MLX eager"))
+  |> then(fn {_, a, b} -> split.(a, b) end)
+
+IO.puts("""
+Chain of #{short.ops} and #{long.ops} ops, 1x8: time per run = fixed + ops x per op
+| path | #{short.ops} ops | #{long.ops} ops | fixed | per op | per op / Python eager's |
+|---|---|---|---|---|---|\
+""")
+
+for {label, a, b} <- chain_rows do
+  {fixed, per_op} = split.(a, b)
+
+  IO.puts(
+    "| #{label} | #{Bench.Defn.fmt(a)} | #{Bench.Defn.fmt(b)} | #{Bench.Defn.fmt(fixed)} | " <>
+      "#{:erlang.float_to_binary(per_op, decimals: 2)} us | #{Bench.Defn.r(per_op / py_op)} |"
   )
+end
 
-Bench.Defn.run(
-  "transformer block seq #{seq}, d #{d}",
-  &Models.block/2,
-  [x, block_params],
-  100,
-  3
-)
+File.rm_rf!(dir)

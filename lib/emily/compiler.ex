@@ -13,8 +13,9 @@ if Code.ensure_loaded?(Nx) do
     the stream, `while` and `cond` predicates are read on the host, and `Nx.block/4`
     reaches `Emily.Backend.block/4`. Inputs that are not Emily tensors are copied in.
 
-    The **native path** (`native: true`) lowers the graph once, at compile time, into
-    one `Emily.Program` and replays it per run in one native call on the stream, with
+    The **native path** (`native: true`) lowers the graph once (at `Nx.Defn.compile`,
+    or at the first `Nx.Defn.jit` call for given input shapes and types: see `:cache`)
+    into one `Emily.Program` and replays it per run in one native call on the stream, with
     the inputs (and the graph's captured tensors) as the program's inputs; with
     `compile: true` the program is also fused with `mx::compile`. It lowers parameters,
     constants, captured tensors, elementwise unary and binary ops (comparisons and
@@ -41,6 +42,11 @@ if Code.ensure_loaded?(Nx) do
         how `Nx.Serving` streams and how `print_value` hooks are overridden).
       * `:native` - `true` for the native path (see above).
       * `:compile` - with `native: true`, compile the program with `mx::compile`.
+      * `:cache` - with `native: true`, keep the lowered program (default `true`): the
+        graph is traced and lowered on the first call of a `Nx.Defn.jit` function for
+        given input shapes, types and options, and later calls replay it. The program
+        and the tensors the function captures stay alive with the application; `false`
+        lowers on every call.
 
     Other options are accepted and passed through (libraries such as Axon pass their
     own).
@@ -49,6 +55,9 @@ if Code.ensure_loaded?(Nx) do
     @behaviour Nx.Defn.Compiler
 
     @telemetry? Code.ensure_loaded?(:telemetry)
+    @cache Emily.Compiler.Cache
+
+    alias Emily.Compiler.Native
 
     @impl true
     def __jit__(key, vars, fun, args_list, opts) do
@@ -73,9 +82,7 @@ if Code.ensure_loaded?(Nx) do
           true -> Emily.default_device()
         end
 
-      case catch_unsupported(fn ->
-             Emily.Compiler.Native.lower(vars, fun, opts ++ [device: device])
-           end) do
+      case lowered(key, vars, fun, opts, device) do
         {:ok, {program, extras, template}} ->
           extras = Enum.map(extras, & &1.data.ref)
 
@@ -87,6 +94,59 @@ if Code.ensure_loaded?(Nx) do
           evaluator_fallback(reason)
           evaluator(key, vars, fun, opts)
       end
+    end
+
+    # `Nx.Defn.jit` calls `__jit__` on every run, and tracing plus lowering a graph costs
+    # about as much again as running it on small inputs: lowered programs are kept, per
+    # function, input templates and options, as EXLA keeps its executables. Graphs that
+    # fall back are not kept, so each of their runs reports the fallback.
+    defp lowered(key, vars, fun, opts, device) do
+      {cache?, opts} = Keyword.pop(opts, :cache, true)
+
+      lower = fn ->
+        catch_unsupported(fn -> Native.lower(vars, fun, opts ++ [device: device]) end)
+      end
+
+      if cache? do
+        cache_key = {key, Enum.map(vars, &args_key/1), device, opts}
+
+        case cache_lookup(cache_key) do
+          {:ok, lowered} ->
+            {:ok, lowered}
+
+          :error ->
+            with {:ok, lowered} <- lower.() do
+              cache_store(cache_key, lowered)
+              {:ok, lowered}
+            end
+        end
+      else
+        lower.()
+      end
+    end
+
+    defp args_key(var) do
+      Nx.Defn.Composite.traverse(var, fn
+        %Nx.Tensor{} = t -> {t.type, t.shape, t.names, t.vectorized_axes}
+        other -> other
+      end)
+    end
+
+    # The table belongs to the application (Emily.Stream.Defaults); without it, nothing
+    # is kept.
+    defp cache_lookup(key) do
+      case :ets.lookup(@cache, key) do
+        [{_, lowered}] -> {:ok, lowered}
+        [] -> :error
+      end
+    rescue
+      ArgumentError -> :error
+    end
+
+    defp cache_store(key, lowered) do
+      :ets.insert(@cache, {key, lowered})
+    rescue
+      ArgumentError -> false
     end
 
     defp catch_unsupported(fun) do
@@ -126,7 +186,7 @@ if Code.ensure_loaded?(Nx) do
     defp evaluator(key, vars, fun, opts) do
       backend = __to_backend__(opts)
       stream = opts[:stream]
-      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
+      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile, :cache])
 
       compiled =
         in_context(stream, backend, fn ->

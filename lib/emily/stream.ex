@@ -167,8 +167,9 @@ end
 
 defmodule Emily.Stream.Defaults do
   @moduledoc false
-  # Owns, for the application's lifetime, the default stream of each available device
-  # and the fallback-warning table; applies the memory limits of the config at boot.
+  # Owns, for the application's lifetime, the default stream of each available device,
+  # the fallback-warning table and the defn compiler's cache; applies the memory limits
+  # of the config at boot.
   use GenServer
 
   def start_link(_), do: GenServer.start_link(__MODULE__, [], name: __MODULE__)
@@ -190,6 +191,8 @@ defmodule Emily.Stream.Defaults do
     )
 
     Emily.Fallback.create_table()
+    # Emily.Compiler's lowered programs (the compiler exists only with Nx).
+    :ets.new(Emily.Compiler.Cache, [:named_table, :public, :set, read_concurrency: true])
     Emily.Memory.apply_config()
     Emily.Stream.set_spin(Application.get_env(:emily, :spin_us, default_spin(devices)))
     {:ok, devices}

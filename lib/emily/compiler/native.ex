@@ -35,6 +35,22 @@ if Code.ensure_loaded?(Nx) do
     # tensors (as Emily tensors on `device`) passed after the parameters, output the
     # result container of templates. Throws `{:unsupported, reason}`.
     def lower(vars, fun, opts) do
+      {instrs, inputs, outputs, extras, template} = instructions(vars, fun, opts)
+
+      program =
+        Emily.Program.new(instrs,
+          inputs: inputs,
+          outputs: outputs,
+          compile: Keyword.get(opts, :compile, false)
+        )
+
+      {program, extras, template}
+    end
+
+    @doc false
+    # The lowering itself, before `Emily.Program.new/2`: `{instructions, inputs,
+    # outputs, extras, template}` (bench/defn.exs hands it to its Python twin).
+    def instructions(vars, fun, opts) do
       device = Keyword.fetch!(opts, :device)
       flat_vars = Composite.flatten_list(vars)
 
@@ -61,17 +77,10 @@ if Code.ensure_loaded?(Nx) do
 
       {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)
 
-      program =
-        Emily.Program.new(Enum.reverse(st.instrs),
-          inputs: params + length(extras),
-          outputs: slots,
-          compile: Keyword.get(opts, :compile, false)
-        )
-
       {template, []} =
         Composite.traverse(result, outputs, fn _, [t | rest] -> {Nx.to_template(t), rest} end)
 
-      {program, extras, template}
+      {Enum.reverse(st.instrs), params + length(extras), slots, extras, template}
     end
 
     defp to_device(%T{data: %Emily.Backend{}} = t, _device), do: t

@@ -1,0 +1,142 @@
+"""Python MLX side of bench/defn.exs: the same graphs, op for op, on the same libmlx.
+
+bench/defn.exs lowers each defn graph with Emily's native path and writes the program
+(its instructions, input shapes and input data) to a file; this script turns each
+instruction into the `mx` call it stands for, as straight-line Python (one statement
+per MLX op, no interpreter in the timed path), and times it:
+
+  * eager: build the graph, evaluate, read the result back to the host;
+  * compiled: the same function through `mx.compile`.
+
+It prints `name_eager us` and `name_compiled us` lines (best mean microseconds per run)
+and writes each graph's eager and compiled results beside the dump, for bench/defn.exs
+to compare with Emily's. Run by bench/defn.exs (with OpenBLAS preloaded, which is what
+Emily links); alone, `python3 bench/defn.py DUMP [--source]` (`--source` prints the
+generated functions).
+"""
+import ast
+import math
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+from bench import best  # noqa: E402
+
+DTYPES = {
+    ("f", 16): "mx.float16", ("bf", 16): "mx.bfloat16", ("f", 32): "mx.float32",
+    ("f", 64): "mx.float64", ("s", 8): "mx.int8", ("s", 16): "mx.int16",
+    ("s", 32): "mx.int32", ("s", 64): "mx.int64", ("u", 8): "mx.uint8",
+    ("u", 16): "mx.uint16", ("u", 32): "mx.uint32", ("u", 64): "mx.uint64",
+    "bool": "mx.bool_",
+}
+NP = {("f", 32): np.float32, ("f", 64): np.float64, ("s", 32): np.int32, ("s", 64): np.int64,
+      ("u", 8): np.uint8}
+
+# The op table's name is MLX's for these; their arguments are all tensors.
+ELEMENTWISE = {
+    "abs", "negative", "sign", "exp", "expm1", "log", "log1p", "sqrt", "rsqrt", "sin", "cos",
+    "tan", "tanh", "sigmoid", "erf", "floor", "ceil", "logical_not", "isnan", "isinf",
+    "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "remainder",
+    "equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and",
+    "logical_or", "where",
+}
+
+
+def value(v):
+    return {"nan": 'float("nan")', "infinity": 'float("inf")',
+            "neg_infinity": 'float("-inf")'}.get(v, repr(v))
+
+
+def dot_general(t, a, ca, ba, b, cb, bb, shape):
+    """Emily's `dot` (cpp/linalg.cc, dot_general): transpose, reshape, matmul, reshape."""
+    sa, sb = shape(a), shape(b)
+    ca, ba = [x % len(sa) for x in ca], [x % len(sa) for x in ba]
+    cb, bb = [x % len(sb) for x in cb], [x % len(sb) for x in bb]
+    fa = [i for i in range(len(sa)) if i not in ca and i not in ba]
+    fb = [i for i in range(len(sb)) if i not in cb and i not in bb]
+    prod = lambda s, axes: math.prod(s[i] for i in axes)  # noqa: E731
+    nb, m, k, n = prod(sa, ba), prod(sa, fa), prod(sa, ca), prod(sb, fb)
+    out = tuple([sa[i] for i in ba] + [sa[i] for i in fa] + [sb[i] for i in fb])
+    at = f"mx.reshape(mx.transpose(t{a}, {ba + fa + ca}), {(nb, m, k)})"
+    bt = f"mx.reshape(mx.transpose(t{b}, {bb + cb + fb}), {(nb, k, n)})"
+    return f"t{t} = mx.reshape(mx.matmul({at}, {bt}), {out})"
+
+
+def statement(t, op, args, shape):
+    """The Python statement for instruction `op(args)` writing slot `t`."""
+    if op in ELEMENTWISE:
+        return f"t{t} = mx.{op}({', '.join(f't{a}' for a in args)})"
+    if op == "dot":
+        return dot_general(t, *args, shape)
+    if op == "full":
+        s, v, d = args
+        return f"t{t} = mx.full({tuple(s)}, {value(v)}, dtype={DTYPES[d]})"
+    if op == "arange":
+        start, stop, step, d = args
+        return f"t{t} = mx.arange({start}, {stop}, {step}, dtype={DTYPES[d]})"
+    if op == "astype":
+        return f"t{t} = t{args[0]}.astype({DTYPES[args[1]]})"
+    if op in ("reshape", "broadcast_to"):
+        return f"t{t} = mx.{op}(t{args[0]}, {tuple(args[1])})"
+    if op == "transpose":
+        return f"t{t} = mx.transpose(t{args[0]}, {list(args[1])})"
+    if op in ("squeeze", "flip"):
+        return f"t{t} = mx.{op}(t{args[0]}, axis={list(args[1])})"
+    if op in ("sum", "prod", "max", "min", "all", "any"):
+        a, axes, keep = args
+        return f"t{t} = mx.{op}(t{a}, axis={list(axes)}, keepdims={keep})"
+    if op == "slice":
+        a, start, stop, strides = args
+        idx = ", ".join(f"{b}:{e}:{s}" for b, e, s in zip(start, stop, strides))
+        return f"t{t} = t{a}[{idx}]"
+    if op == "clip":
+        return f"t{t} = mx.clip(t{args[0]}, t{args[1]}, t{args[2]})"
+    if op == "concatenate":
+        return f"t{t} = mx.concatenate([{', '.join(f't{a}' for a in args[0])}], axis={args[1]})"
+    raise NotImplementedError(f"no Python twin for instruction {op}")
+
+
+def build(graph, inputs):
+    """Straight-line source of the graph's function, its shapes found by building it once."""
+    n = len(inputs)
+    env = {"mx": mx, **{f"t{i}": x for i, x in enumerate(inputs)}}
+    lines = []
+    for t, (op, args) in enumerate(graph["instrs"], start=n):
+        line = statement(t, op, args, lambda slot: env[f"t{slot}"].shape)
+        exec(line, env)  # lazily: only to learn the shapes later instructions need
+        lines.append("    " + line)
+    outs = ", ".join(f"t{o}" for o in graph["outputs"])
+    params = ", ".join(f"t{i}" for i in range(n))
+    source = f"def graph({params}):\n" + "\n".join(lines) + f"\n    return ({outs},)\n"
+    scope = {"mx": mx}
+    exec(source, scope)
+    return scope["graph"], source
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        graphs = ast.literal_eval(f.read())
+    mx.set_default_device(mx.cpu)
+    for g in graphs:
+        inputs = [mx.array(np.fromfile(path, dtype=NP[tuple(d)]).reshape(shape))
+                  for path, shape, d in g["inputs"]]
+        mx.eval(inputs)
+        fun, source = build(g, inputs)
+        if "--source" in sys.argv:
+            print(source, file=sys.stderr)
+        compiled = mx.compile(fun)
+
+        def run(f):
+            return lambda: [np.array(y) for y in f(*inputs)]
+
+        for label, f in (("eager", fun), ("compiled", compiled)):
+            for i, y in enumerate(run(f)()):
+                y.tofile(f"{g['out']}_{label}_{i}.bin")
+            print(f"{g['name']}_{label} {best(run(f), g['reps']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
