@@ -86,9 +86,10 @@ defmodule GpuBench do
 end
 
 s = Emily.Stream.default(:gpu)
-emily = GpuBench.figures(s)
 
-emily =
+emily_pass = fn ->
+  emily = GpuBench.figures(s)
+
   if decode? do
     Code.require_file(Path.join(__DIR__, "decode.exs"))
     d = GpuDecode.run(s)
@@ -103,8 +104,27 @@ emily =
   else
     emily
   end
+end
 
-ref = Bench.python(Path.join(__DIR__, "reference.py"), if(decode?, do: ["--decode"], else: []))
+python_pass = fn ->
+  Bench.python(Path.join(__DIR__, "reference.py"), if(decode?, do: ["--decode"], else: []))
+end
+
+# Two passes of each side, alternated (Emily, Python, Emily, Python), each figure the
+# better of its side's two: neither side always runs on a GPU just woken or just warmed.
+better = fn passes ->
+  Map.merge(hd(passes), List.last(passes), fn k, a, b ->
+    cond do
+      String.ends_with?(k, "max_diff") -> max(a, b)
+      String.ends_with?(k, ["_us", "_ms"]) -> min(a, b)
+      true -> max(a, b)
+    end
+  end)
+end
+
+[e1, p1, e2, p2] = [emily_pass.(), python_pass.(), emily_pass.(), python_pass.()]
+emily = better.([e1, e2])
+ref = better.([p1, p2])
 
 f = fn
   nil -> "—"

@@ -53,7 +53,7 @@ defmodule GpuDecode do
       GpuBench.eval_and_drop(out)
     end
 
-    # Without polling, and with (Emily.Stream.set_spin/1, 50 us by default on a GPU):
+    # Without polling, and with 50 us of it (Emily.Stream.set_spin/1):
     # a polling worker builds each node as it is queued, while the caller queues the next.
     previous = Emily.Stream.set_spin(0)
     op_by_op = GpuBench.best(op_by_op_step, 20, 3)

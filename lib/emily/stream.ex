@@ -134,16 +134,16 @@ defmodule Emily.Stream do
   Sets how long, in microseconds, a worker thread with nothing to do polls for new work
   before it sleeps, and how long a process waiting for a value (`Emily.eval/1`,
   `Emily.to_binary/1`, ...) polls its mailbox before it blocks. Returns the previous
-  value. Applies to every stream; `config :emily, spin_us: n` sets it at boot. Default:
-  50 where MLX has a GPU, 0 on a CPU-only build.
+  value. Applies to every stream; `config :emily, spin_us: n` sets it at boot. Default 0.
 
-  A small op's round trip is then no longer dominated by the OS waking sleeping threads
-  (the worker, then the caller's scheduler), at the price of a core kept busy while
-  polling. Worth it on a host with cores to spare (a GPU server running op-by-op
-  workloads); on a machine whose few cores are shared by the BEAM's schedulers and MLX's
-  threads, polling takes time from the work itself: keep 0 there. On an H200 host,
-  polling cut a round trip to the worker from 12 to 4 us, and an op-by-op decode step
-  from 13.0 to 8.9 ms (`bench/README.md`).
+  Without polling, a small op's round trip is dominated by the OS waking sleeping
+  threads (the worker, then the caller's scheduler); polling trades a busy core for
+  that latency. Measured on an H200 host (`bench/README.md`), 50 us of polling cut a
+  bare round trip to the worker from 11-12 to 3-5 us, and one GPU op plus its
+  evaluation from 38-52 to 27-31 us in most runs (Python MLX: 23-28 us), but made the
+  op-by-op decode step slower in most runs; on a machine whose few cores the BEAM's
+  schedulers and MLX's threads share, it takes time from the work itself. Turn it on
+  for workloads made of many small waits, on a host with cores to spare.
   """
   @spec set_spin(non_neg_integer) :: non_neg_integer
   def set_spin(microseconds) when is_integer(microseconds) and microseconds in 0..1_000_000 do
@@ -194,7 +194,7 @@ defmodule Emily.Stream.Defaults do
     # Emily.Compiler's lowered programs (the compiler exists only with Nx).
     :ets.new(Emily.Compiler.Cache, [:named_table, :public, :set, read_concurrency: true])
     Emily.Memory.apply_config()
-    Emily.Stream.set_spin(Application.get_env(:emily, :spin_us, default_spin(devices)))
+    Emily.Stream.set_spin(Application.get_env(:emily, :spin_us, 0))
     {:ok, devices}
   end
 
@@ -203,10 +203,6 @@ defmodule Emily.Stream.Defaults do
     for device <- devices, do: :persistent_term.erase({Emily.Stream, :default, device})
     :ok
   end
-
-  # Polling pays where a GPU does the work and the host has cores to spare; on a CPU-only
-  # machine the cores are MLX's (`Emily.Stream.set_spin/1`).
-  defp default_spin(devices), do: if(:gpu in devices, do: 50, else: 0)
 
   defp start(device) do
     Emily.Native.stream_new(device)
