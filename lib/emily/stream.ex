@@ -131,19 +131,22 @@ defmodule Emily.Stream do
   end
 
   @doc """
-  Sets how long, in microseconds, a worker thread with nothing to do polls for new work
-  before it sleeps, and how long a process waiting for a value (`Emily.eval/1`,
-  `Emily.to_binary/1`, ...) polls its mailbox before it blocks. Returns the previous
-  value. Applies to every stream; `config :emily, spin_us: n` sets it at boot. Default 0.
+  Sets how long, in microseconds, a worker thread keeps polling for new work after a job
+  that a caller waited for (`Emily.eval/1`, `Emily.to_binary/1`, ...) before it sleeps,
+  and how long a waiting process polls its mailbox before it blocks. Returns the
+  previous value. Applies to every stream; `config :emily, spin_us: n` sets it at boot.
+  Default 0.
 
-  Without polling, a small op's round trip is dominated by the OS waking sleeping
-  threads (the worker, then the caller's scheduler); polling trades a busy core for
-  that latency. Measured on an H200 host (`bench/README.md`), 50 us of polling cut a
-  bare round trip to the worker from 11-12 to 3-5 us, and one GPU op plus its
-  evaluation from 38-52 to 27-31 us in most runs (Python MLX: 23-28 us), but made the
-  op-by-op decode step slower in most runs; on a machine whose few cores the BEAM's
-  schedulers and MLX's threads share, it takes time from the work itself. Turn it on
-  for workloads made of many small waits, on a host with cores to spare.
+  Without polling, a small op's round trip is dominated by the OS waking the sleeping
+  worker thread; polling trades a busy core for that latency. Lazy ops alone never
+  open the window, so a model queueing hundreds of ops is still handled in batches.
+  Measured (`bench/README.md`): on an idle 2-core machine, 50 us cut one op plus its
+  evaluation from 25-36 to 17-21 us (Python MLX: 13 us); on an H200 host, from 38-52 to
+  27-31 us in most runs (Python MLX: 23-28 us). On a machine whose cores are all busy it
+  is harmful: with both cores of that machine taken by other work, the same round trip
+  went from 26 us to 78-1,300 us, because the poll delays the very threads (MLX's, the
+  BEAM's) the caller waits on. Turn it on for latency-bound work on a host with cores
+  to spare.
   """
   @spec set_spin(non_neg_integer) :: non_neg_integer
   def set_spin(microseconds) when is_integer(microseconds) and microseconds in 0..1_000_000 do

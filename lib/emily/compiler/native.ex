@@ -332,9 +332,7 @@ if Code.ensure_loaded?(Nx) do
           throw({:unsupported, {:block, struct}})
 
         {op, spec} ->
-          # As for dot: under :debug_detect_nan_inf the backend checks norms and attention.
-          if Emily.Debug.detect_nan_inf?() and op not in [:rope, :rope_array],
-            do: throw({:unsupported, :debug_detect_nan_inf})
+          if Emily.Debug.detect_nan_inf?(), do: checked_by_backend(op)
 
           inputs = List.to_tuple(in_args)
 
@@ -347,6 +345,11 @@ if Code.ensure_loaded?(Nx) do
           emit(st, op, args)
       end
     end
+
+    # As for dot: under :debug_detect_nan_inf, the backend checks the results of the
+    # norms and attention, so graphs with them run on the evaluator path.
+    defp checked_by_backend(op) when op in [:rope, :rope_array], do: :ok
+    defp checked_by_backend(_op), do: throw({:unsupported, :debug_detect_nan_inf})
 
     # A tuple's element: the tuple comes from `while`, `cond`, a block or the like.
     defp lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),

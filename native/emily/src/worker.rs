@@ -88,6 +88,12 @@ impl State {
 
 pub type Job = Box<dyn FnOnce(&mut State) + Send>;
 
+/// A queued job, and whether a caller waits for it (anything but a lazy op or a drop).
+struct Queued {
+    job: Job,
+    waited: bool,
+}
+
 /// Lazy jobs queued before the worker is woken anyway (bounds the work a wait finds).
 const LAZY_BATCH: usize = 32;
 
@@ -99,14 +105,14 @@ const LAZY_BATCH: usize = 32;
 /// with the BEAM's scheduler threads for a core. Sending is lock-free, so a scheduler
 /// never waits for a worker that the OS has descheduled.
 struct Session {
-    rx: Receiver<Job>,
+    rx: Receiver<Queued>,
     sleeping: Arc<AtomicBool>,
 }
 
 /// An Emily stream's handle on the thread that serves it. Dropping the last one ends the
 /// thread's session (see the module doc).
 pub struct Worker {
-    tx: Option<Sender<Job>>,
+    tx: Option<Sender<Queued>>,
     thread: Thread,
     sleeping: Arc<AtomicBool>,
     lazy: AtomicUsize,
@@ -192,7 +198,7 @@ impl Worker {
     /// thread with a new MLX stream. Starting a thread blocks until its stream exists
     /// (call it from a dirty scheduler).
     pub fn spawn(device: Device) -> Result<Arc<Worker>, String> {
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Queued>();
         let sleeping = Arc::new(AtomicBool::new(false));
         let name = format!("emily-{}-{}", device_name(device), NEXT_STREAM.fetch_add(1, Ordering::Relaxed));
         let worker = |tx, thread| {
@@ -249,7 +255,7 @@ impl Worker {
 
     fn push(&self, job: Job, lazy: bool) {
         let Some(tx) = &self.tx else { return };
-        if tx.send(job).is_err() {
+        if tx.send(Queued { job, waited: !lazy }).is_err() {
             return;
         }
         if lazy && !(self.lazy.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(LAZY_BATCH) {
@@ -272,18 +278,20 @@ impl Drop for Worker {
     }
 }
 
-/// How long an idle worker polls its queue before it sleeps, in nanoseconds (0: never
-/// polls). See `set_spin`.
+/// How long a worker polls its queue after a job someone waited for, before it sleeps,
+/// in nanoseconds (0: never polls). See `set_spin`.
 static SPIN_NS: AtomicU64 = AtomicU64::new(0);
 
-/// Sets how long an idle worker polls its queue before it sleeps.
+/// Sets how long a worker polls its queue after a job that a caller waited for.
 ///
 /// Waking a sleeping thread takes the OS several microseconds, twice per round trip
 /// (caller to worker, worker back to the caller), which is most of what a one-op
-/// evaluation costs beyond MLX's own work. A worker that polls for a while after each job
-/// picks up the next one at once, at the price of a core kept busy meanwhile: worth it
-/// where cores are plentiful (a GPU host), not on a machine whose few cores the BEAM's
-/// schedulers and MLX's threads already share.
+/// evaluation costs beyond MLX's own work. A caller that has just been answered often
+/// asks again at once: a worker that polls for a while then picks the next request up
+/// without being woken. The window opens only after waited-for jobs: a stream of lazy
+/// ops is still drained in batches (`LAZY_BATCH`), not raced op by op. The price is a
+/// core kept busy meanwhile: on a machine without cores to spare, the poll delays the
+/// very threads (MLX's, the BEAM's) that the caller waits on.
 pub fn set_spin(d: std::time::Duration) {
     SPIN_NS.store(d.as_nanos().min(u64::MAX as u128) as u64, Ordering::Relaxed);
 }
@@ -292,13 +300,8 @@ pub fn spin() -> std::time::Duration {
     std::time::Duration::from_nanos(SPIN_NS.load(Ordering::Relaxed))
 }
 
-/// Polls the queue for up to `SPIN_NS`; `None` if nothing came in that time.
-fn poll(session: &Session) -> Option<Result<Job, TryRecvError>> {
-    let spin = SPIN_NS.load(Ordering::Relaxed);
-    if spin == 0 {
-        return None;
-    }
-    let start = std::time::Instant::now();
+/// Polls the queue until `deadline`; `None` if nothing came in by then.
+fn poll(session: &Session, deadline: std::time::Instant) -> Option<Result<Queued, TryRecvError>> {
     loop {
         for _ in 0..64 {
             match session.rx.try_recv() {
@@ -306,24 +309,27 @@ fn poll(session: &Session) -> Option<Result<Job, TryRecvError>> {
                 other => return Some(other),
             }
         }
-        if start.elapsed().as_nanos() as u64 >= spin {
+        if std::time::Instant::now() >= deadline {
             return None;
         }
     }
 }
 
-/// The session's next job, sleeping while there is none; `None` once it is over.
-fn next_job(session: &Session) -> Option<Job> {
+/// The session's next job, sleeping while there is none; `None` once it is over. Polls
+/// first while `window` (the polling window after a waited-for job) is open.
+fn next_job(session: &Session, window: Option<std::time::Instant>) -> Option<Queued> {
     loop {
         match session.rx.try_recv() {
             Ok(job) => return Some(job),
             Err(TryRecvError::Disconnected) => return None,
             Err(TryRecvError::Empty) => {}
         }
-        match poll(session) {
-            Some(Ok(job)) => return Some(job),
-            Some(Err(_)) => return None,
-            None => {}
+        if let Some(deadline) = window.filter(|&d| std::time::Instant::now() < d) {
+            match poll(session, deadline) {
+                Some(Ok(job)) => return Some(job),
+                Some(Err(_)) => return None,
+                None => {}
+            }
         }
         session.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
@@ -370,8 +376,14 @@ fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
     let mut state = State { stream, arrays: HashMap::new(), compiled: HashMap::new() };
     let mut session = first;
     loop {
-        while let Some(job) = next_job(&session) {
+        let mut window = None;
+        while let Some(Queued { job, waited }) = next_job(&session, window) {
             run_job(job, &mut state);
+            if waited {
+                let spin = SPIN_NS.load(Ordering::Relaxed);
+                window =
+                    (spin > 0).then(|| std::time::Instant::now() + std::time::Duration::from_nanos(spin));
+            }
         }
         // The session is over: every handle is gone, so nothing can name these any more.
         BUSY.fetch_add(1, Ordering::SeqCst);
