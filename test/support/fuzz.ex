@@ -52,7 +52,8 @@ defmodule Emily.Fuzz do
       # Every stream's queue is drained (a waiting call runs after all queued work), so
       # no fuzzed call is still running (or setting limits) once this returns.
       Emily.eval(Enum.filter(state.tensors, &good_tensor?/1))
-      for {_, probe} <- :ets.tab2list(probes), do: Emily.eval(probe)
+      # (A waiting call drains its stream even when it fails, e.g. on a released probe.)
+      for {_, probe} <- :ets.tab2list(probes), do: good_tensor?(probe)
       stats = drain(stats, 200)
       Map.put(stats, :functions, length(fns))
     after
