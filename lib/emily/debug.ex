@@ -28,8 +28,9 @@ defmodule Emily.Debug do
       (and `Nx.dot/6`) in `Emily.Backend` (with the flag, `Emily.Compiler`'s native path
       leaves `dot` to the evaluator path, so that each one is checked), and after
       `Emily.eval/1` and `Emily.to_binary/1` on their results, which covers every
-      tensor read back to Elixir. It is the hook for the fused kernels (norms,
-      attention): call it on their results.
+      tensor read back to Elixir, and on the results of `Emily.Fast`'s norms and
+      attention on `Emily.Backend` (the native path then leaves those to the
+      evaluator path as well).
 
   Only floating-point and complex results are checked for NaN and infinities.
   Each raises `Emily.Error` naming the op and how many values failed.
