@@ -45,8 +45,8 @@ if Code.ensure_loaded?(Nx) do
       * `:cache` - with `native: true`, keep the lowered program (default `true`): the
         graph is traced and lowered on the first call of a `Nx.Defn.jit` function for
         given input shapes, types and options, and later calls replay it. The program
-        and the tensors the function captures stay alive with the application; `false`
-        lowers on every call.
+        and the tensors the function captures stay alive while kept (the cache keeps
+        the last 512 or fewer: it is emptied when full); `false` lowers on every call.
 
     Other options are accepted and passed through (libraries such as Axon pass their
     own).
@@ -143,7 +143,12 @@ if Code.ensure_loaded?(Nx) do
       ArgumentError -> :error
     end
 
+    # Bounded, so that jitting fresh closures in a loop (each capturing new tensors, each
+    # a new key) cannot hold on to their programs and tensors without end.
+    @cache_limit 512
+
     defp cache_store(key, lowered) do
+      if :ets.info(@cache, :size) >= @cache_limit, do: :ets.delete_all_objects(@cache)
       :ets.insert(@cache, {key, lowered})
     rescue
       ArgumentError -> false
