@@ -9,6 +9,10 @@ if Code.ensure_loaded?(Nx) do
     # Each node is lowered with the same casts Emily.Backend applies eagerly (operands
     # cast to the node's type, comparisons in the merged type then cast to u8), so both
     # paths compute the same MLX ops.
+    #
+    # Each distinct instruction is emitted once (`emit/3`): nodes the Nx graph does not
+    # share but that compute the same thing (the same cast of a slot wanted by several
+    # ops, `x - mean` written twice, broadcasts of one constant) reuse the first slot.
 
     alias Nx.Defn.{Composite, Expr}
     alias Nx.Tensor, as: T
@@ -72,6 +76,7 @@ if Code.ensure_loaded?(Nx) do
         next: params + length(extras),
         instrs: [],
         memo: extra_slots,
+        emitted: %{},
         device: device
       }
 
@@ -346,16 +351,16 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # As for dot: under :debug_detect_nan_inf, the backend checks the results of the
-    # norms and attention, so graphs with them run on the evaluator path.
-    defp checked_by_backend(op) when op in [:rope, :rope_array], do: :ok
-    defp checked_by_backend(_op), do: throw({:unsupported, :debug_detect_nan_inf})
-
     # A tuple's element: the tuple comes from `while`, `cond`, a block or the like.
     defp lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
       do: throw({:unsupported, {:op, op}})
 
     defp lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
+
+    # As for dot: under :debug_detect_nan_inf, the backend checks the results of the
+    # norms and attention, so graphs with them run on the evaluator path.
+    defp checked_by_backend(op) when op in [:rope, :rope_array], do: :ok
+    defp checked_by_backend(_op), do: throw({:unsupported, :debug_detect_nan_inf})
 
     defp axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
     defp axes(_x, axes), do: axes
@@ -366,9 +371,23 @@ if Code.ensure_loaded?(Nx) do
       if from == to, do: {slot, st}, else: emit(st, :astype, [slot, to])
     end
 
+    # The slot of `{op, args}`, emitted only if no earlier instruction is the same: an
+    # instruction is a pure function of its op and arguments (the op table's ops are;
+    # its random ops take an explicit key and give the same numbers for the same key),
+    # and slots are assigned once, so equal instructions hold equal values. Map keys
+    # compare exactly, so 1 and 1.0, or 0.0 and -0.0 (OTP 27), stay apart.
     defp emit(st, op, args) do
-      slot = st.next
-      {slot, %{st | next: slot + 1, instrs: [{op, args} | st.instrs]}}
+      key = {op, args}
+
+      case st.emitted do
+        %{^key => slot} ->
+          {slot, st}
+
+        _ ->
+          slot = st.next
+          instrs = [key | st.instrs]
+          {slot, %{st | next: slot + 1, instrs: instrs, emitted: Map.put(st.emitted, key, slot)}}
+      end
     end
   end
 end
