@@ -9,6 +9,7 @@ if Code.ensure_loaded?(Nx) do
 
     import Nx.Defn
     import Emily.NxOracle
+    import Emily.NxCompiler
     alias Emily.NxOracle, as: O
 
     import Emily.NxModels
@@ -76,37 +77,6 @@ if Code.ensure_loaded?(Nx) do
       {:lowered, lowered} -> lowered
     end
 
-    def forward(_event, _measurements, meta, {pid, ref}), do: send(pid, {ref, meta})
-
-    defp with_fallbacks(fun) do
-      ref = make_ref()
-      name = inspect(ref)
-
-      :telemetry.attach(
-        name,
-        [:emily, :compiler, :evaluator_fallback],
-        &__MODULE__.forward/4,
-        {self(), ref}
-      )
-
-      try do
-        result = fun.()
-        {result, collect(ref, [])}
-      after
-        :telemetry.detach(name)
-      end
-    end
-
-    defp collect(ref, acc) do
-      receive do
-        {^ref, meta} -> collect(ref, [meta | acc])
-      after
-        0 -> Enum.reverse(acc)
-      end
-    end
-
-    defp ejit(fun, opts \\ []), do: Nx.Defn.jit(fun, [compiler: Emily.Compiler] ++ opts)
-
     # Runs `fun` on every path and asserts they agree with Nx.BinaryBackend, and that
     # the native runs did not fall back.
     defp check_paths(fun, args, opts \\ []) do
@@ -117,18 +87,7 @@ if Code.ensure_loaded?(Nx) do
 
       assert_same(apply(ejit(fun), args), expected, opts)
 
-      for compile <- [false, true] do
-        {out, fallbacks} =
-          with_fallbacks(fn -> apply(ejit(fun, native: true, compile: compile), args) end)
-
-        # Under :debug_detect_nan_inf, graphs with checked ops run on the evaluator path.
-        case fallbacks do
-          [%{reason: :debug_detect_nan_inf}] -> assert Emily.Debug.detect_nan_inf?()
-          _ -> assert fallbacks == [], "native path fell back: #{inspect(fallbacks)}"
-        end
-
-        assert_same(out, expected, opts)
-      end
+      for out <- native_results(fun, args), do: assert_same(out, expected, opts)
     end
 
     test "MLP forward" do
@@ -245,6 +204,15 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_flat_list(uncached.(Nx.tensor([1.0, 2.0]))) == [4.0, 6.0]
       assert Nx.to_flat_list(uncached.(Nx.tensor([0.0, 0.5]))) == [2.0, 3.0]
       assert traces() == 2
+    end
+
+    test "the program cache stays bounded when fresh closures are jitted in a loop" do
+      # Each closure captures another value, so each is a new cache key.
+      for c <- 1..600 do
+        f = ejit(fn x -> Nx.add(x, c) end, native: true)
+        assert Nx.to_flat_list(f.(Nx.tensor([1.0]))) == [1.0 + c]
+        assert :ets.info(Emily.Compiler.Cache, :size) <= 512
+      end
     end
 
     defp traces do

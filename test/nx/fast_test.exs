@@ -8,6 +8,7 @@ if Code.ensure_loaded?(Nx) do
 
     import Nx.Defn
     import Emily.NxOracle
+    import Emily.NxCompiler
     alias Emily.NxOracle, as: O
     alias Emily.Fast
 
@@ -39,37 +40,6 @@ if Code.ensure_loaded?(Nx) do
       Fast.layer_norm(a, nil, nil)
     end
 
-    def forward(_event, _measurements, meta, {pid, ref}), do: send(pid, {ref, meta})
-
-    defp with_fallbacks(fun) do
-      ref = make_ref()
-      name = inspect(ref)
-
-      :telemetry.attach(
-        name,
-        [:emily, :compiler, :evaluator_fallback],
-        &__MODULE__.forward/4,
-        {self(), ref}
-      )
-
-      try do
-        result = fun.()
-        {result, collect(ref, [])}
-      after
-        :telemetry.detach(name)
-      end
-    end
-
-    defp collect(ref, acc) do
-      receive do
-        {^ref, meta} -> collect(ref, [meta | acc])
-      after
-        0 -> Enum.reverse(acc)
-      end
-    end
-
-    defp ejit(fun, opts \\ []), do: Nx.Defn.jit(fun, [compiler: Emily.Compiler] ++ opts)
-
     defp tol(type, opts) do
       case opts[:tol] do
         nil -> O.tol(type)
@@ -89,18 +59,7 @@ if Code.ensure_loaded?(Nx) do
       assert_same(apply(fun, emily_args), expected, tol: tol)
       assert_same(apply(ejit(fun), args), expected, tol: tol)
 
-      for compile <- [false, true] do
-        {out, fallbacks} =
-          with_fallbacks(fn -> apply(ejit(fun, native: true, compile: compile), args) end)
-
-        # Under :debug_detect_nan_inf, graphs with checked ops run on the evaluator path.
-        case fallbacks do
-          [%{reason: :debug_detect_nan_inf}] -> assert Emily.Debug.detect_nan_inf?()
-          _ -> assert fallbacks == [], "native path fell back: #{inspect(fallbacks)}"
-        end
-
-        assert_same(out, expected, tol: tol)
-      end
+      for out <- native_results(fun, args), do: assert_same(out, expected, tol: tol)
 
       expected
     end

@@ -1,0 +1,58 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.NxCompiler do
+    @moduledoc false
+    # Shared by the compiler suites: jit through Emily.Compiler, and the native path's
+    # fallback telemetry.
+    import ExUnit.Assertions
+
+    def ejit(fun, opts \\ []), do: Nx.Defn.jit(fun, [compiler: Emily.Compiler] ++ opts)
+
+    # `fun.()` and the metadata of the `[:emily, :compiler, :evaluator_fallback]` events
+    # it emitted.
+    def with_fallbacks(fun) do
+      ref = make_ref()
+      name = inspect(ref)
+
+      :telemetry.attach(
+        name,
+        [:emily, :compiler, :evaluator_fallback],
+        &__MODULE__.forward/4,
+        {self(), ref}
+      )
+
+      try do
+        result = fun.()
+        {result, collect(ref, [])}
+      after
+        :telemetry.detach(name)
+      end
+    end
+
+    # `fun` on the native path, without and with mx::compile: the two results, after
+    # asserting the graph was lowered (under :debug_detect_nan_inf, graphs with checked
+    # ops run on the evaluator path instead).
+    def native_results(fun, args) do
+      for compile <- [false, true] do
+        {out, fallbacks} =
+          with_fallbacks(fn -> apply(ejit(fun, native: true, compile: compile), args) end)
+
+        case fallbacks do
+          [%{reason: :debug_detect_nan_inf}] -> assert Emily.Debug.detect_nan_inf?()
+          _ -> assert fallbacks == [], "native path fell back: #{inspect(fallbacks)}"
+        end
+
+        out
+      end
+    end
+
+    def forward(_event, _measurements, meta, {pid, ref}), do: send(pid, {ref, meta})
+
+    defp collect(ref, acc) do
+      receive do
+        {^ref, meta} -> collect(ref, [meta | acc])
+      after
+        0 -> Enum.reverse(acc)
+      end
+    end
+  end
+end
