@@ -96,30 +96,6 @@ defmodule Bench.Defn do
   @spin 50
   @polled "native, polling 50 us"
 
-  # A compiler that only lowers: it hands back the native path's program as data, for
-  # the op count and for the Python twin (bench/defn.py).
-  defmodule Lowering do
-    @behaviour Nx.Defn.Compiler
-
-    @impl true
-    def __jit__(_key, vars, fun, _args, _opts) do
-      throw({:lowered, Emily.Compiler.Native.instructions(vars, fun, device: :cpu)})
-    end
-
-    @impl true
-    def __compile__(_key, _vars, _fun, _opts), do: raise("not used")
-    @impl true
-    def __partitions_options__(opts), do: [opts]
-    @impl true
-    def __to_backend__(_opts), do: {Nx.BinaryBackend, []}
-  end
-
-  def lowered(fun, args) do
-    apply(Nx.Defn.jit(fun, compiler: Lowering), args)
-  catch
-    {:lowered, lowered} -> lowered
-  end
-
   def random(key, shape, scale) do
     {t, key} = Nx.Random.normal(key, 0.0, scale, shape: shape, type: :f32)
     {Nx.backend_copy(t, Nx.BinaryBackend), key}
@@ -157,7 +133,9 @@ defmodule Bench.Defn do
 
   # One graph: its program, its inputs written out for Python, and Emily's timed paths.
   def graph(name, fun, args, reps, dir, binary?) do
-    {instrs, n_inputs, outputs, extras, _template} = lowered(fun, args)
+    {instrs, n_inputs, outputs, extras, _template} =
+      Emily.Compiler.Native.instructions_of(fun, args)
+
     flat = Nx.Defn.Composite.flatten_list(args) ++ extras
     ^n_inputs = length(flat)
     slug = String.replace(name, ~r/[^a-z0-9]+/, "_")

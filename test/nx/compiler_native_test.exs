@@ -55,28 +55,6 @@ if Code.ensure_loaded?(Nx) do
     # `x - 1` twice as two Nx nodes, and `i` cast to f32 for three ops.
     defn(duplicates(x, i), do: {(x - 1) * (x - 1) + i, (x + i) * i})
 
-    # A compiler that only lowers: it hands back the native path's instructions.
-    defmodule Lowering do
-      @behaviour Nx.Defn.Compiler
-
-      @impl true
-      def __jit__(_key, vars, fun, _args, _opts),
-        do: throw({:lowered, Emily.Compiler.Native.instructions(vars, fun, device: :cpu)})
-
-      @impl true
-      def __compile__(_key, _vars, _fun, _opts), do: raise("not used")
-      @impl true
-      def __partitions_options__(opts), do: [opts]
-      @impl true
-      def __to_backend__(_opts), do: {Nx.BinaryBackend, []}
-    end
-
-    defp lowered(fun, args) do
-      apply(Nx.Defn.jit(fun, compiler: Lowering), args)
-    catch
-      {:lowered, lowered} -> lowered
-    end
-
     # Runs `fun` on every path and asserts they agree with Nx.BinaryBackend, and that
     # the native runs did not fall back.
     defp check_paths(fun, args, opts \\ []) do
@@ -150,7 +128,9 @@ if Code.ensure_loaded?(Nx) do
     test "each distinct instruction is emitted once" do
       x = O.tensor({2, 3}, {:f, 32})
       i = Nx.tensor([[0, 1, 2], [-3, 4, 5]], type: :s32)
-      {instrs, 2, outputs, [], _template} = lowered(&duplicates/2, [x, i])
+
+      {instrs, 2, outputs, [], _template} =
+        Emily.Compiler.Native.instructions_of(&duplicates/2, [x, i])
 
       # Slots 0 and 1 are x and i. Without the reuse: 12 instructions (a second
       # astype and subtract for `x - 1`, three casts of i).

@@ -52,6 +52,32 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc false
+    # What the native path lowers `fun` to for `args` (tensors or templates), without
+    # running it: the `instructions/3` tuple, for tests and bench/defn.exs.
+    def instructions_of(fun, args, opts \\ [device: :cpu]) do
+      apply(Nx.Defn.jit(fun, compiler: __MODULE__.Lowering, lowering: opts), args)
+    catch
+      {:lowered, lowered} -> lowered
+    end
+
+    defmodule Lowering do
+      @moduledoc false
+      # A defn compiler that only lowers, and throws the result out of the jit call.
+      @behaviour Nx.Defn.Compiler
+
+      @impl true
+      def __jit__(_key, vars, fun, _args, opts),
+        do: throw({:lowered, Emily.Compiler.Native.instructions(vars, fun, opts[:lowering])})
+
+      @impl true
+      def __compile__(_key, _vars, _fun, _opts), do: raise("the lowering compiler only jits")
+      @impl true
+      def __partitions_options__(opts), do: [opts]
+      @impl true
+      def __to_backend__(_opts), do: {Nx.BinaryBackend, []}
+    end
+
+    @doc false
     # The lowering itself, before `Emily.Program.new/2`: `{instructions, inputs,
     # outputs, extras, template}` (bench/defn.exs hands it to its Python twin).
     def instructions(vars, fun, opts) do
