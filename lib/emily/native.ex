@@ -30,8 +30,10 @@ defmodule Emily.Native do
       result larger than MLX's memory limit fails with `Emily.Error`.
     * **Debug** (`debug_*`): counts read back by `Emily.Debug`.
 
-  List arguments must be proper lists; integers in `ints` arguments must fit in 32 bits
-  (MLX's axes, starts and strides are 32-bit): both raise `ArgumentError` otherwise.
+  List arguments must be proper lists. Integers in `int` and `ints` arguments must fit in
+  32 bits (MLX's axes, sizes, counts, starts and strides are 32-bit); `int64` arguments
+  (seeds, byte counts, element offsets, `randint` bounds) take any signed 64-bit integer.
+  Anything else raises `ArgumentError`, naming the op.
 
   Dtypes are Nx type names: `{:u, 8}` … `{:s, 64}`, `{:f, 16 | 32 | 64}`, `{:bf, 16}`,
   `{:c, 64}`, and `:bool`. Scalars (`:float` arguments) accept integers, floats, `:nan`,

@@ -134,7 +134,7 @@ defmodule Emily.Native.FixturesTest do
     args
   end
 
-  defp parse_param("int", v), do: String.to_integer(v)
+  defp parse_param(int, v) when int in ["int", "int64"], do: String.to_integer(v)
   defp parse_param("bool", v), do: v == "true"
   defp parse_param("str", v), do: v
 

@@ -217,6 +217,7 @@ defmodule Emily.Fuzz do
   defp typed(st, "tensor?"), do: Enum.random([nil, Enum.random(st.tensors)])
   defp typed(st, "tensors"), do: Enum.take_random(st.tensors, :rand.uniform(4) - 1)
   defp typed(_st, "int"), do: int()
+  defp typed(_st, "int64"), do: Enum.random([int(), 2 ** 40, -(2 ** 40)])
   defp typed(_st, "ints"), do: for(_ <- 1..:rand.uniform(4)//1, do: small_int())
   defp typed(_st, "shape"), do: shape()
   defp typed(_st, "float"), do: Enum.random([float(), int(), :nan, :infinity, :neg_infinity])

@@ -50,6 +50,7 @@ defmodule Emily.TestCase do
         {_, "tensors"}, false -> {[:not_a_tensor], true}
         {_, "tensors"}, true -> {[t([1.0])], true}
         {_, "int"}, done -> {0, done}
+        {_, "int64"}, done -> {0, done}
         {_, "ints"}, done -> {[0], done}
         {_, "shape"}, done -> {[1], done}
         {_, "float"}, done -> {1.0, done}

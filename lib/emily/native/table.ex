@@ -6,6 +6,12 @@ defmodule Emily.Native.Table do
 
   @dir Path.expand("../../../native/emily/optable", __DIR__)
 
+  # The argument types of the grammar: `int` is checked to fit in 32 bits, `int64` is not.
+  @types ~w(tensor tensor? tensors int int64 ints shape float bool dtype str term stream)
+
+  @doc "The argument type names the table may use."
+  def types, do: @types
+
   def dir, do: @dir
 
   def files, do: @dir |> Path.join("*.ops") |> Path.wildcard() |> Enum.sort()
@@ -83,7 +89,7 @@ defmodule Emily.Native.Table do
     args =
       Enum.map(args, fn arg ->
         case String.split(arg, ":") do
-          [n, t] -> {String.to_atom(n), t}
+          [n, t] when t in @types -> {String.to_atom(n), t}
           _ -> raise "#{where}: bad argument #{inspect(arg)}"
         end
       end)

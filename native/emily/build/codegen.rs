@@ -21,7 +21,8 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
                 ArgType::Tensors => {
                     ("crate::term::List<crate::tensor::TensorArg>", format!("call.tensors(&{n}.0)?;"))
                 }
-                ArgType::Int => ("i64", format!("call.int({n});")),
+                ArgType::Int => ("i64", format!("call.int32(\"{n}\", {n});")),
+                ArgType::Int64 => ("i64", format!("call.int({n});")),
                 ArgType::Ints => ("crate::term::List<i64>", format!("call.ints(&{n}.0);")),
                 ArgType::Shape => ("crate::term::Shape", format!("call.ints(&{n}.0);")),
                 ArgType::Float => ("crate::term::Number", format!("call.float({n}.0);")),
@@ -69,7 +70,8 @@ fn program_decoders(ops: &[(u32, &Op)]) -> String {
                 ArgType::Tensor => format!("b.tensor(args[{i}])?;"),
                 ArgType::OptTensor => format!("b.opt_tensor(args[{i}])?;"),
                 ArgType::Tensors => format!("b.tensors(args[{i}])?;"),
-                ArgType::Int => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.int(v);"),
+                ArgType::Int => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.int32(\"{n}\", v);"),
+                ArgType::Int64 => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.int(v);"),
                 ArgType::Ints => {
                     format!("let v: crate::term::List<i64> = b.decode(args[{i}], \"{n}\")?; b.ints(&v.0);")
                 }
@@ -137,7 +139,8 @@ pub fn cpp_family(family: &str, ops: &[(u32, &Op)], glue: bool) -> String {
                 ArgType::Tensor => format!("const array& {n} = r.tensor();"),
                 ArgType::OptTensor => format!("std::optional<array> {n} = r.opt_tensor();"),
                 ArgType::Tensors => format!("std::vector<array> {n} = r.tensors();"),
-                ArgType::Int => format!("int64_t {n} = r.int_();"),
+                ArgType::Int => format!("int {n} = r.int32_();"),
+                ArgType::Int64 => format!("int64_t {n} = r.int_();"),
                 ArgType::Ints => format!("std::vector<int> {n} = r.ints();"),
                 ArgType::Shape => format!("Shape {n} = r.shape();"),
                 ArgType::Float => format!("double {n} = r.float_();"),

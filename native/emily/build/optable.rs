@@ -16,13 +16,23 @@
 //! In an expression row the NIF takes the stream first, then the listed args; the C++
 //! expression sees every arg under its own name, `s` for the stream, and `using namespace
 //! mlx::core`. It returns an `array` or a `std::vector<array>` of N outputs.
+//!
+//! Arg types: `tensor`, `tensor?` (optional, nil), `tensors` (a list), `int` (a C++ `int`:
+//! a value outside 32 bits raises `ArgumentError` at the call, as it would wrap in MLX's
+//! axes, sizes and counts), `int64` (an `int64_t`, for the values MLX really takes as 64-bit:
+//! seeds, byte counts, element offsets, scalars that become int64 arrays), `ints` (32-bit
+//! each), `shape`, `float`, `bool`, `dtype`, `str`; and in custom rows `term` and `stream`.
+//! A custom row's NIF decodes its own args: its types there document them.
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ArgType {
     Tensor,
     OptTensor,
     Tensors,
+    /// Checked to fit in 32 bits; the C++ expression sees an `int`.
     Int,
+    /// The C++ expression sees an `int64_t`.
+    Int64,
     Ints,
     Shape,
     Float,
@@ -42,6 +52,7 @@ impl ArgType {
             "tensor?" => ArgType::OptTensor,
             "tensors" => ArgType::Tensors,
             "int" => ArgType::Int,
+            "int64" => ArgType::Int64,
             "ints" => ArgType::Ints,
             "shape" => ArgType::Shape,
             "float" => ArgType::Float,

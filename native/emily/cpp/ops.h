@@ -32,6 +32,7 @@ class Reader {
     return v;
   }
   int64_t int_() { return i_.at(ii_++); }
+  int int32_() { return int32(int_()); }
   std::vector<int> ints() {
     auto n = static_cast<size_t>(int_());
     std::vector<int> v(n);

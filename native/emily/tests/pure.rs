@@ -28,6 +28,15 @@ fn parses_rows() {
 }
 
 #[test]
+fn int_types() {
+    let ops = parse("t", "f a:tensor axis:int seed:int64 = f(a, axis, seed, s)").unwrap();
+    assert_eq!(ops[0].args[1].ty, ArgType::Int);
+    assert_eq!(ops[0].args[2].ty, ArgType::Int64);
+    // An output count comes from a 32-bit int, never an int64.
+    assert!(parse("t", "f a:tensor n:int64 -> n = f(a, n, s)").is_err());
+}
+
+#[test]
 fn output_count_from_an_argument() {
     let ops = parse(
         "t",

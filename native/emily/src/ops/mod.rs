@@ -124,6 +124,15 @@ impl Args {
         self.ints.push(i);
     }
 
+    /// An `int` argument: the C++ side takes it as a 32-bit int, so a value outside that
+    /// range is refused rather than silently wrapped (`int64` arguments use `int`).
+    pub fn int32(&mut self, name: &str, i: i64) {
+        if i32::try_from(i).is_err() {
+            self.bad.get_or_insert_with(|| format!("{name} {i} does not fit in 32 bits"));
+        }
+        self.ints.push(i);
+    }
+
     /// An `ints` argument: MLX takes these as 32-bit ints (axes, starts, strides), so a
     /// value outside that range is refused rather than silently wrapped.
     pub fn ints(&mut self, v: &[i64]) {
@@ -198,6 +207,10 @@ impl Call {
 
     pub fn int(&mut self, i: i64) {
         self.args.int(i);
+    }
+
+    pub fn int32(&mut self, name: &str, i: i64) {
+        self.args.int32(name, i);
     }
 
     pub fn ints(&mut self, v: &[i64]) {

@@ -99,6 +99,9 @@ impl Instr {
     pub fn int(&mut self, i: i64) {
         self.args.int(i);
     }
+    pub fn int32(&mut self, name: &str, i: i64) {
+        self.args.int32(name, i);
+    }
     pub fn ints(&mut self, v: &[i64]) {
         self.args.ints(v);
     }
