@@ -28,6 +28,20 @@ defmodule Emily.Native.FFTTest do
       assert_close(l(N.fft(s(), t([1.0, 2.0, 3.0, 4.0]), 2, 0)), c([3, -1]))
     end
 
+    test "empty inputs: zeros of the output shape (the CUDA kernels crash on them)" do
+      empty = N.reshape(s(), t([]), {0, 3})
+      y = N.fft(s(), empty, 5, -1)
+      assert {Emily.shape(y), Emily.dtype(y)} == {{0, 5}, {:c, 64}}
+      assert l(y) == []
+      # Zero-padded to n: the transform of zeros.
+      assert l(N.ifft(s(), t([]), 3, 0)) == c([0, 0, 0])
+      assert l(N.rfft(s(), N.reshape(s(), t([]), {2, 0}), 4, 1)) == c([0, 0, 0, 0, 0, 0])
+      assert l(N.irfft(s(), N.reshape(s(), t([]), {0, 2}), 4, 1)) == []
+      assert Emily.shape(N.fft2(s(), empty, [2, 2], [0, 1])) == {2, 2}
+      assert_raise Emily.Error, fn -> l(N.fft(s(), empty, 5, 4)) end
+      assert_alive()
+    end
+
     test "rfft keeps n / 2 + 1 bins; irfft inverts" do
       y = N.rfft(s(), t([1.0, 2.0, 3.0, 4.0]), 4, 0)
       assert Emily.shape(y) == {3}

@@ -3,7 +3,10 @@ defmodule Emily.Fuzz do
   # Calls Emily.Native functions with random and malformed terms. Every failure must be
   # an Elixir exception of an expected kind (ArgumentError for bad terms, Emily.Error for
   # what MLX refuses), and every reply of a waiting call a well-formed {ref, result}.
-  # A VM crash ends the run, which is the failure this exists to catch.
+  # A VM crash ends the run, which is the failure this exists to catch. To find the call
+  # behind a crash, rerun its seed with `trace: path, eval_each: true`: each call's line
+  # then names its tensors' shapes and dtypes, and its results are evaluated at once, so
+  # the last line written is the culprit.
 
   alias Emily.Native, as: N
 
@@ -41,8 +44,12 @@ defmodule Emily.Fuzz do
           {name, arity} = Enum.random(fns)
           args = for k <- 0..(arity - 1)//1, do: arg(st, Enum.at(types[name] || [], k))
           args = constrain(name, args)
-          if trace, do: :ok = :file.write(trace, [inspect({name, args}, limit: 20), ?\n])
+
+          if trace,
+            do: :ok = :file.write(trace, [inspect({name, traced(args, opts)}, limit: 20), ?\n])
+
           {st, stats} = call(st, stats, name, args)
+          if opts[:eval_each], do: eval_all(st.tensors)
           st = if rem(i, 200) == 0, do: refresh(st), else: st
           stats = if rem(i, 50) == 0, do: drain(stats), else: stats
           stats = if rem(i, 10) == 0, do: read_one(st, stats), else: stats
@@ -89,6 +96,32 @@ defmodule Emily.Fuzz do
 
         {st, %{stats | raised: Map.update(stats.raised, e.__struct__, 1, &(&1 + 1))}}
     end
+  end
+
+  # The arguments as the trace shows them: with `eval_each`, tensors by shape and dtype.
+  defp traced(args, opts) do
+    if opts[:eval_each] do
+      Enum.map(args, fn a ->
+        try do
+          {:tensor, Emily.shape(a), Emily.dtype(a)}
+        rescue
+          _ in Emily.Error -> :failed_tensor
+          _ -> a
+        end
+      end)
+    else
+      args
+    end
+  end
+
+  defp eval_all(tensors) do
+    Enum.each(tensors, fn t ->
+      try do
+        Emily.eval(t)
+      rescue
+        _ in @expected -> :ok
+      end
+    end)
   end
 
   # Evaluates and reads a random tensor of the pool: the graphs random calls built.
