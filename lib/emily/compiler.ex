@@ -42,11 +42,12 @@ if Code.ensure_loaded?(Nx) do
         how `Nx.Serving` streams and how `print_value` hooks are overridden).
       * `:native` - `true` for the native path (see above).
       * `:compile` - with `native: true`, compile the program with `mx::compile`.
-      * `:cache` - with `native: true`, keep the lowered program (default `true`): the
-        graph is traced and lowered on the first call of a `Nx.Defn.jit` function for
-        given input shapes, types and options, and later calls replay it. The program
-        and the tensors the function captures stay alive while kept (the cache keeps
-        the last 512 or fewer: it is emptied when full); `false` lowers on every call.
+      * `:cache` - keep the traced graph (and, with `native: true`, the lowered
+        program; default `true`): the graph is traced on the first call of a
+        `Nx.Defn.jit` function for given input shapes, types and options, and later
+        calls run it again. The graph and the tensors the function captures stay alive
+        while kept (at most 512 entries: the cache is emptied when full); `false`
+        traces on every call.
 
     Other options are accepted and passed through (libraries such as Axon pass their
     own).
@@ -96,32 +97,33 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # `Nx.Defn.jit` calls `__jit__` on every run, and tracing plus lowering a graph costs
-    # about as much again as running it on small inputs: lowered programs are kept, per
-    # function, input templates and options, as EXLA keeps its executables. Graphs that
-    # fall back are not kept, so each of their runs reports the fallback.
+    # `Nx.Defn.jit` calls `__jit__` on every run, and tracing (plus lowering) a graph
+    # costs about as much again as running it on small inputs: traced graphs and lowered
+    # programs are kept, per function, input templates and options, as EXLA keeps its
+    # executables. Graphs that fall back are not kept, so each of their runs reports the
+    # fallback.
     defp lowered(key, vars, fun, opts, device) do
       {cache?, opts} = Keyword.pop(opts, :cache, true)
 
-      lower = fn ->
+      cached(cache?, {:native, key, Enum.map(vars, &args_key/1), device, opts}, fn ->
         catch_unsupported(fn -> Native.lower(vars, fun, opts ++ [device: device]) end)
-      end
+      end)
+    end
 
-      if cache? do
-        cache_key = {key, Enum.map(vars, &args_key/1), device, opts}
+    # `make`'s `{:ok, value}`, kept under `cache_key` (with `cache?`); other results are
+    # returned, not kept.
+    defp cached(false, _cache_key, make), do: make.()
 
-        case cache_lookup(cache_key) do
-          {:ok, lowered} ->
-            {:ok, lowered}
+    defp cached(true, cache_key, make) do
+      case cache_lookup(cache_key) do
+        {:ok, value} ->
+          {:ok, value}
 
-          :error ->
-            with {:ok, lowered} <- lower.() do
-              cache_store(cache_key, lowered)
-              {:ok, lowered}
-            end
-        end
-      else
-        lower.()
+        :error ->
+          with {:ok, value} <- make.() do
+            cache_store(cache_key, value)
+            {:ok, value}
+          end
       end
     end
 
@@ -191,11 +193,15 @@ if Code.ensure_loaded?(Nx) do
     defp evaluator(key, vars, fun, opts) do
       backend = __to_backend__(opts)
       stream = opts[:stream]
-      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile, :cache])
+      {cache?, opts} = Keyword.pop(opts, :cache, true)
+      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
 
-      compiled =
-        in_context(stream, backend, fn ->
-          Nx.Defn.Evaluator.__compile__(key, vars, fun, evaluator_opts)
+      {:ok, compiled} =
+        cached(cache?, {:evaluator, key, Enum.map(vars, &args_key/1), opts}, fn ->
+          {:ok,
+           in_context(stream, backend, fn ->
+             Nx.Defn.Evaluator.__compile__(key, vars, fun, evaluator_opts)
+           end)}
         end)
 
       fn args_list ->

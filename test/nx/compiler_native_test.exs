@@ -162,28 +162,31 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    test "jit traces and lowers once per input shape and type, unless cache: false" do
+    test "jit traces (and lowers) once per input shape and type, unless cache: false" do
       pid = self()
 
-      # Runs at trace time only: one :traced message per lowering.
+      # Runs at trace time only: one :traced message per trace.
       fun = fn x ->
         send(pid, :traced)
         Nx.multiply(Nx.add(x, 1), 2)
       end
 
-      cached = ejit(fun, native: true)
-      assert Nx.to_flat_list(cached.(Nx.tensor([1.0, 2.0]))) == [4.0, 6.0]
-      assert Nx.to_flat_list(cached.(Nx.tensor([3.0, 4.0]))) == [8.0, 10.0]
-      assert traces() == 1
+      # The native path, and the evaluator path.
+      for path <- [[native: true], []] do
+        cached = ejit(fun, path)
+        assert Nx.to_flat_list(cached.(Nx.tensor([1.0, 2.0]))) == [4.0, 6.0]
+        assert Nx.to_flat_list(cached.(Nx.tensor([3.0, 4.0]))) == [8.0, 10.0]
+        assert traces() == 1
 
-      assert Nx.to_flat_list(cached.(Nx.tensor([1.0, 2.0, 3.0]))) == [4.0, 6.0, 8.0]
-      assert Nx.to_flat_list(cached.(Nx.tensor([1, 2], type: :s32))) == [4, 6]
-      assert traces() == 2
+        assert Nx.to_flat_list(cached.(Nx.tensor([1.0, 2.0, 3.0]))) == [4.0, 6.0, 8.0]
+        assert Nx.to_flat_list(cached.(Nx.tensor([1, 2], type: :s32))) == [4, 6]
+        assert traces() == 2
 
-      uncached = ejit(fun, native: true, cache: false)
-      assert Nx.to_flat_list(uncached.(Nx.tensor([1.0, 2.0]))) == [4.0, 6.0]
-      assert Nx.to_flat_list(uncached.(Nx.tensor([0.0, 0.5]))) == [2.0, 3.0]
-      assert traces() == 2
+        uncached = ejit(fun, path ++ [cache: false])
+        assert Nx.to_flat_list(uncached.(Nx.tensor([1.0, 2.0]))) == [4.0, 6.0]
+        assert Nx.to_flat_list(uncached.(Nx.tensor([0.0, 0.5]))) == [2.0, 3.0]
+        assert traces() == 2
+      end
     end
 
     test "the program cache stays bounded when fresh closures are jitted in a loop" do
