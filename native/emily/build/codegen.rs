@@ -21,14 +21,14 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
                 ArgType::Tensors => {
                     ("crate::term::List<crate::tensor::TensorArg>", format!("call.tensors(&{n}.0)?;"))
                 }
-                ArgType::Int => ("i64", format!("call.int32(\"{n}\", {n});")),
-                ArgType::Int64 => ("i64", format!("call.int({n});")),
-                ArgType::Ints => ("crate::term::List<i64>", format!("call.ints(&{n}.0);")),
-                ArgType::Shape => ("crate::term::Shape", format!("call.ints(&{n}.0);")),
-                ArgType::Float => ("crate::term::Number", format!("call.float({n}.0);")),
-                ArgType::Bool => ("bool", format!("call.int({n} as i64);")),
-                ArgType::DType => ("crate::dtype::DType", format!("call.dtype({n});")),
-                ArgType::Str => ("String", format!("call.str({n});")),
+                ArgType::Int => ("i64", format!("call.args.int32(\"{n}\", {n});")),
+                ArgType::Int64 => ("i64", format!("call.args.int({n});")),
+                ArgType::Ints => ("crate::term::List<i64>", format!("call.args.ints(&{n}.0);")),
+                ArgType::Shape => ("crate::term::Shape", format!("call.args.ints(&{n}.0);")),
+                ArgType::Float => ("crate::term::Number", format!("call.args.float({n}.0);")),
+                ArgType::Bool => ("bool", format!("call.args.int({n} as i64);")),
+                ArgType::DType => ("crate::dtype::DType", format!("call.args.dtype({n});")),
+                ArgType::Str => ("String", format!("call.args.str({n});")),
                 ArgType::Term | ArgType::Stream => unreachable!("rejected by the parser"),
             };
             params.push(format!("{n}: {ty}"));
@@ -70,22 +70,28 @@ fn program_decoders(ops: &[(u32, &Op)]) -> String {
                 ArgType::Tensor => format!("b.tensor(args[{i}])?;"),
                 ArgType::OptTensor => format!("b.opt_tensor(args[{i}])?;"),
                 ArgType::Tensors => format!("b.tensors(args[{i}])?;"),
-                ArgType::Int => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.int32(\"{n}\", v);"),
-                ArgType::Int64 => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.int(v);"),
+                ArgType::Int => {
+                    format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.args.int32(\"{n}\", v);")
+                }
+                ArgType::Int64 => format!("let v: i64 = b.decode(args[{i}], \"{n}\")?; b.args.int(v);"),
                 ArgType::Ints => {
-                    format!("let v: crate::term::List<i64> = b.decode(args[{i}], \"{n}\")?; b.ints(&v.0);")
+                    format!(
+                        "let v: crate::term::List<i64> = b.decode(args[{i}], \"{n}\")?; b.args.ints(&v.0);"
+                    )
                 }
                 ArgType::Shape => {
-                    format!("let v: crate::term::Shape = b.decode(args[{i}], \"{n}\")?; b.ints(&v.0);")
+                    format!("let v: crate::term::Shape = b.decode(args[{i}], \"{n}\")?; b.args.ints(&v.0);")
                 }
                 ArgType::Float => {
-                    format!("let v: crate::term::Number = b.decode(args[{i}], \"{n}\")?; b.float(v.0);")
+                    format!("let v: crate::term::Number = b.decode(args[{i}], \"{n}\")?; b.args.float(v.0);")
                 }
-                ArgType::Bool => format!("let v: bool = b.decode(args[{i}], \"{n}\")?; b.int(v as i64);"),
+                ArgType::Bool => {
+                    format!("let v: bool = b.decode(args[{i}], \"{n}\")?; b.args.int(v as i64);")
+                }
                 ArgType::DType => {
-                    format!("let v: crate::dtype::DType = b.decode(args[{i}], \"{n}\")?; b.dtype(v);")
+                    format!("let v: crate::dtype::DType = b.decode(args[{i}], \"{n}\")?; b.args.dtype(v);")
                 }
-                ArgType::Str => format!("let v: String = b.decode(args[{i}], \"{n}\")?; b.str(v);"),
+                ArgType::Str => format!("let v: String = b.decode(args[{i}], \"{n}\")?; b.args.str(v);"),
                 ArgType::Term | ArgType::Stream => unreachable!("rejected by the parser"),
             };
             let _ = writeln!(body, "    {line}");

@@ -20,6 +20,13 @@ std::pair<array, array> without_minus_one(const array& b, const Stream& s) {
   return {where(m1, array(1, t), b, s), m1};
 }
 
+// Where the floored remainder `r` of `a` (signed integers) is non-zero and its sign
+// differs from the dividend's: there, truncated and floored results differ by one step.
+array floor_trunc_differ(const array& r, const array& a, const Stream& s) {
+  auto zero = array(0, r.dtype());
+  return logical_and(not_equal(r, zero, s), not_equal(less(r, zero, s), less(a, zero, s), s), s);
+}
+
 }  // namespace
 
 array floor_divide_safe(const array& a, const array& b, const Stream& s) {
@@ -49,9 +56,7 @@ array fmod(const array& a, const array& b, const Stream& s) {
     auto at = astype(a, t, s);
     auto bt = astype(b, t, s);
     auto r = remainder_safe(at, bt, s);
-    auto zero = array(0, t);
-    auto fix = logical_and(not_equal(r, zero, s), not_equal(less(r, zero, s), less(at, zero, s), s), s);
-    return where(fix, subtract(r, bt, s), r, s);
+    return where(floor_trunc_differ(r, at, s), subtract(r, bt, s), r, s);
   }
   if (!issubdtype(t, floating)) return remainder(a, b, s);
   auto at = astype(a, t, s);
@@ -73,11 +78,7 @@ array trunc_divide(const array& a, const array& b, const Stream& s) {
     auto bt = astype(b, t, s);
     auto q = floor_divide_safe(at, bt, s);
     auto r = remainder_safe(at, bt, s);
-    auto zero = array(0, t);
-    // Floor and truncation differ by one exactly when the floored remainder's sign
-    // differs from the dividend's.
-    auto fix = logical_and(not_equal(r, zero, s), not_equal(less(r, zero, s), less(at, zero, s), s), s);
-    return where(fix, add(q, array(1, t), s), q, s);
+    return where(floor_trunc_differ(r, at, s), add(q, array(1, t), s), q, s);
   }
   if (issubdtype(t, floating)) return trunc(divide(a, b, s), s);
   return floor_divide(a, b, s);

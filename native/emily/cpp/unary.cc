@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace emily {
 using namespace mlx::core;
@@ -23,6 +24,16 @@ Dtype unsigned_of(const Dtype& t) {
     case 4: return uint32;
     default: return uint64;
   }
+}
+
+// A real input of a composed float function: the result type (the input's float type,
+// else f32) and the input in its compute type.
+std::pair<Dtype, array> real_float_input(const char* op, const array& a, const Stream& s) {
+  if (issubdtype(a.dtype(), complexfloating)) {
+    throw std::invalid_argument(std::string(op) + ": complex input is not supported");
+  }
+  auto out_t = issubdtype(a.dtype(), floating) ? a.dtype() : float32;
+  return {out_t, astype(a, compute_type(out_t), s)};
 }
 
 void require_integer(const char* op, const array& a) {
@@ -58,12 +69,8 @@ array round_half_away(const array& a, const Stream& s) {
 }
 
 array erfc(const array& a, const Stream& s) {
-  if (issubdtype(a.dtype(), complexfloating)) {
-    throw std::invalid_argument("erfc: complex input is not supported");
-  }
-  auto out_t = issubdtype(a.dtype(), floating) ? a.dtype() : float32;
-  auto ct = compute_type(out_t);
-  auto x = astype(a, ct, s);
+  auto [out_t, x] = real_float_input("erfc", a, s);
+  auto ct = x.dtype();
   auto c = [&](double v) { return array(v, ct); };
   // erfc(30) underflows even float64, so larger magnitudes (and inf) are clamped there
   // rather than carried into inf - inf below; NaN passes through minimum.
@@ -87,12 +94,8 @@ array erfc(const array& a, const Stream& s) {
 }
 
 array cbrt(const array& a, const Stream& s) {
-  if (issubdtype(a.dtype(), complexfloating)) {
-    throw std::invalid_argument("cbrt: complex input is not supported");
-  }
-  auto out_t = issubdtype(a.dtype(), floating) ? a.dtype() : float32;
-  auto ct = compute_type(out_t);
-  auto x = astype(a, ct, s);
+  auto [out_t, x] = real_float_input("cbrt", a, s);
+  auto ct = x.dtype();
   auto ax = abs(x, s);
   auto r = power(ax, array(1.0 / 3.0, ct), s);
   // One Newton step on r^3 = |x| removes the error of the rounded exponent 1/3; 0, inf

@@ -167,7 +167,8 @@ pub struct Call {
     name: &'static str,
     outputs: usize,
     inputs: Inputs,
-    args: Args,
+    /// The scalar arguments; generated NIFs push to it directly.
+    pub args: Args,
 }
 
 impl Call {
@@ -203,30 +204,6 @@ impl Call {
     pub fn tensors(&mut self, ts: &[TensorArg]) -> NifResult<()> {
         self.args.int(ts.len() as i64);
         ts.iter().try_for_each(|t| self.tensor(t))
-    }
-
-    pub fn int(&mut self, i: i64) {
-        self.args.int(i);
-    }
-
-    pub fn int32(&mut self, name: &str, i: i64) {
-        self.args.int32(name, i);
-    }
-
-    pub fn ints(&mut self, v: &[i64]) {
-        self.args.ints(v);
-    }
-
-    pub fn float(&mut self, f: f64) {
-        self.args.float(f);
-    }
-
-    pub fn dtype(&mut self, d: DType) {
-        self.args.dtype(d);
-    }
-
-    pub fn str(&mut self, s: String) {
-        self.args.str(s);
     }
 
     pub fn submit_one(self) -> NifResult<TensorArg> {

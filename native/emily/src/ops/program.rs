@@ -42,7 +42,8 @@ pub struct Instr {
     /// Slots filled so far (inputs plus earlier outputs): every slot must be below it.
     available: usize,
     slots: Vec<u32>,
-    args: Args,
+    /// The scalar arguments; generated decoders push to it directly.
+    pub args: Args,
 }
 
 impl Instr {
@@ -94,25 +95,6 @@ impl Instr {
             term.decode().map_err(|_| self.err(format!("expected a list of slots, got {term:?}")))?;
         self.args.int(list.len() as i64);
         list.into_iter().try_for_each(|t| self.tensor(t))
-    }
-
-    pub fn int(&mut self, i: i64) {
-        self.args.int(i);
-    }
-    pub fn int32(&mut self, name: &str, i: i64) {
-        self.args.int32(name, i);
-    }
-    pub fn ints(&mut self, v: &[i64]) {
-        self.args.ints(v);
-    }
-    pub fn float(&mut self, f: f64) {
-        self.args.float(f);
-    }
-    pub fn dtype(&mut self, d: crate::dtype::DType) {
-        self.args.dtype(d);
-    }
-    pub fn str(&mut self, s: String) {
-        self.args.str(s);
     }
 }
 
