@@ -270,7 +270,8 @@ defmodule Emily.Native.ConvTest do
       {xl, xls} = transpose_flat(xv, xs, [0, 2, 3, 1])
       {kl, kls} = transpose_flat(kv, ks, [0, 2, 3, 1])
 
-      y =
+      # Channels-last input and kernel; `flip` chooses correlation or convolution.
+      conv = fn flip ->
         N.conv_general(
           s(),
           t(xl, {:f, 32}, xls),
@@ -281,8 +282,11 @@ defmodule Emily.Native.ConvTest do
           [2, 1],
           [1, 2],
           2,
-          false
+          flip
         )
+      end
+
+      y = conv.(false)
 
       {want, wshape} = transpose_flat(expected, eshape, [0, 2, 3, 1])
       assert Emily.shape(y) == wshape
@@ -299,19 +303,7 @@ defmodule Emily.Native.ConvTest do
       {expected, _} = ref_conv(xv, xs, kr, ks, opts)
       {want, _} = transpose_flat(expected, eshape, [0, 2, 3, 1])
 
-      y =
-        N.conv_general(
-          s(),
-          t(xl, {:f, 32}, xls),
-          t(kl, {:f, 32}, kls),
-          [2, 1],
-          [1, -1],
-          [0, 1],
-          [2, 1],
-          [1, 2],
-          2,
-          true
-        )
+      y = conv.(true)
 
       assert l(y) == want
     end

@@ -533,13 +533,7 @@ defmodule Emily.Native.LinalgTest do
       ]
 
       for {name, fun} <- cases do
-        e =
-          assert_raise Emily.Error, fn ->
-            case fun.() do
-              list when is_list(list) -> Emily.eval(list)
-              tensor -> Emily.eval([tensor])
-            end
-          end
+        e = eval_error(fun)
 
         assert e.message =~ name, "#{name}: #{e.message}"
         assert_alive(c)

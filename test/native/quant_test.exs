@@ -303,13 +303,7 @@ defmodule Emily.Native.QuantTest do
     ]
 
     for {name, pattern, fun} <- cases do
-      e =
-        assert_raise Emily.Error, fn ->
-          case fun.() do
-            list when is_list(list) -> Emily.eval(list)
-            tensor -> Emily.eval([tensor])
-          end
-        end
+      e = eval_error(fun)
 
       assert e.message =~ name <> ":", e.message
       assert e.message =~ pattern, e.message

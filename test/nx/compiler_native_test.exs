@@ -41,15 +41,6 @@ if Code.ensure_loaded?(Nx) do
       {Nx.select(mask, x, -1.0e9) |> softmax(), Nx.iota({2, 3}, type: :f16), Nx.iota({2, 3})}
     end
 
-    defn powers(x) do
-      {_i, acc, _x} =
-        while {i = 0, acc = x, x}, i < 4 do
-          {i + 1, acc * x + 1, x}
-        end
-
-      acc
-    end
-
     defn(truncate(x), do: Nx.as_type(x * 3, :s32))
 
     # `x - 1` twice as two Nx nodes, and `i` cast to f32 for three ops.

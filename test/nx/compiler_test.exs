@@ -19,15 +19,6 @@ if Code.ensure_loaded?(Nx) do
       (x - mean) / Nx.sqrt(var + 1.0e-5)
     end
 
-    defn powers(x) do
-      {_i, acc, _x} =
-        while {i = 0, acc = x, x}, i < 4 do
-          {i + 1, acc * x + 1, x}
-        end
-
-      acc
-    end
-
     defn branch(x) do
       cond do
         Nx.sum(x) > 1 -> x * 2

@@ -17,5 +17,15 @@ if Code.ensure_loaded?(Nx) do
       scores = Nx.dot(q, [2], [0], k, [2], [0]) / Nx.sqrt(Nx.axis_size(q, 2))
       Nx.dot(softmax(scores), [2], [0], v, [1], [0])
     end
+
+    # A `while` loop: what the native path cannot lower.
+    defn powers(x) do
+      {_i, acc, _x} =
+        while {i = 0, acc = x, x}, i < 4 do
+          {i + 1, acc * x + 1, x}
+        end
+
+      acc
+    end
   end
 end

@@ -32,6 +32,14 @@ defmodule Emily.TestCase do
   @doc "A tensor's values as a flat list."
   def l(tensor), do: Emily.to_list(tensor)
 
+  @doc """
+  The `Emily.Error` that evaluating `fun`'s result (a tensor or a list of tensors)
+  raises; fails the test if none is raised.
+  """
+  def eval_error(fun) do
+    ExUnit.Assertions.assert_raise(Emily.Error, fn -> Emily.eval(List.wrap(fun.())) end)
+  end
+
   @doc "The generated op-table rows of the given families (`optable/<family>.ops`)."
   def family_rows(families) do
     for row <- Emily.Native.Table.rows(), row.family in families, row.kind == :generated, do: row
