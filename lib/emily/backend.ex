@@ -106,12 +106,10 @@ if Code.ensure_loaded?(Nx) do
     """
 
     @behaviour Nx.Backend
-    # `evaluated: true` records that the array is known to be evaluated, so other
-    # streams can use it without asking its worker first.
     @enforce_keys [:ref, :stream]
-    defstruct [:ref, :stream, evaluated: false]
+    defstruct [:ref, :stream]
 
-    @type t :: %__MODULE__{ref: Emily.tensor(), stream: Emily.Stream.t(), evaluated: boolean}
+    @type t :: %__MODULE__{ref: Emily.tensor(), stream: Emily.Stream.t()}
 
     alias Nx.Tensor, as: T
     alias Emily.Backend, as: B
@@ -1272,17 +1270,6 @@ if Code.ensure_loaded?(Nx) do
       N.slice(s, x, List.duplicate(0, rank), Tuple.to_list(shape), List.duplicate(1, rank))
     end
 
-    @doc false
-    # Makes `t` usable from `stream` without a round trip per op: evaluates it on its own
-    # stream if it lives on another one, and records that it is evaluated.
-    def for_stream(%T{data: %B{stream: s}} = t, s), do: t
-    def for_stream(%T{data: %B{evaluated: true}} = t, _s), do: t
-
-    def for_stream(%T{data: %B{ref: ref} = data} = t, _s) do
-      Emily.eval(ref)
-      %{t | data: %{data | evaluated: true}}
-    end
-
     ## Streams and tensors
 
     # The stream an op runs on: the process's stream if one is set, else the stream of
@@ -1321,15 +1308,10 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # The MLX array of `t` usable on stream `s`.
-    defp ref(%T{data: %B{ref: ref, stream: s}}, s), do: ref
-    defp ref(%T{data: %B{ref: ref, evaluated: true}}, _s), do: ref
-
-    defp ref(%T{data: %B{ref: ref}}, _s) do
-      # Only evaluated arrays cross streams.
-      Emily.eval(ref)
-      ref
-    end
+    # The MLX array of `t` usable on stream `s`. One lazy on another stream needs no
+    # care here: Emily.Native evaluates it on its own stream first, without blocking
+    # the caller.
+    defp ref(%T{data: %B{ref: ref}}, _s), do: ref
 
     defp ref(%T{type: type, shape: shape} = t, s) do
       from_nx_binary(s, Nx.to_binary(t), type, shape)

@@ -206,10 +206,8 @@ if Code.ensure_loaded?(Nx) do
 
       fn args_list ->
         in_context(stream, backend, fn ->
-          target = Emily.Stream.selected()
-
           Enum.flat_map(args_list, fn args ->
-            compiled.([Enum.map(args, &to_emily(&1, backend, target))])
+            compiled.([Enum.map(args, &to_emily(&1, backend))])
           end)
         end)
       end
@@ -243,13 +241,12 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # Parameters arrive as thunks; ones on other backends are copied in so the graph's
-    # ops dispatch to Emily.Backend, and ones lazy on another stream are evaluated there
-    # once, not at each use.
-    defp to_emily(thunk, backend, target) do
+    # ops dispatch to Emily.Backend (Emily tensors of other streams are used as they
+    # are: Emily.Native evaluates a lazy one on its own stream first).
+    defp to_emily(thunk, backend) do
       fn ->
         case thunk.() do
-          %Nx.Tensor{data: %Emily.Backend{}} = t when target == nil -> t
-          %Nx.Tensor{data: %Emily.Backend{}} = t -> Emily.Backend.for_stream(t, target)
+          %Nx.Tensor{data: %Emily.Backend{}} = t -> t
           %Nx.Tensor{data: %Nx.Defn.Expr{}} = t -> t
           %Nx.Tensor{} = t -> Nx.backend_copy(t, backend)
           other -> other
