@@ -47,7 +47,7 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
         };
         let _ = write!(
             s,
-            "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(env, &stream, {id}, \"{name}\", {outs});{pushes}\n    call.{submit}\n}}\n",
+            "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(env, &stream, {id}, \"{name}\", {outs})?;{pushes}\n    call.{submit}\n}}\n",
             name = op.name,
             params = params.join(", "),
         );

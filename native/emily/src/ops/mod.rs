@@ -6,7 +6,7 @@
 use crate::bridge::{ffi, SendArray};
 use crate::dtype::DType;
 use crate::error::{argument_error, Error};
-use crate::stream::{released_error, StreamArg};
+use crate::stream::StreamArg;
 use crate::tensor::{mlx_error, request_export, TensorArg, TensorResource};
 use crate::worker::{State, Worker};
 use rustler::NifResult;
@@ -161,7 +161,7 @@ impl Args {
 pub const OP_TIMESLICE_PERCENT: i32 = 2;
 
 pub struct Call {
-    stream: StreamArg,
+    /// Taken by `submit`, so that the queued job does not hold its own worker.
     worker: Option<Arc<Worker>>,
     op: u32,
     name: &'static str,
@@ -172,20 +172,26 @@ pub struct Call {
 }
 
 impl Call {
-    pub fn new(env: rustler::Env, stream: &StreamArg, op: u32, name: &'static str, outputs: usize) -> Call {
+    /// A call of `op` on `stream`; an `ArgumentError` if the stream was released.
+    pub fn new(
+        env: rustler::Env,
+        stream: &StreamArg,
+        op: u32,
+        name: &'static str,
+        outputs: usize,
+    ) -> NifResult<Call> {
         // Queueing an op costs microseconds, but a process that queues many in a row
         // would otherwise hold its scheduler for as long as it likes: charging each call
         // a share of the timeslice makes it yield like Erlang code does.
         rustler::schedule::consume_timeslice(env, OP_TIMESLICE_PERCENT);
-        Call {
-            stream: stream.clone(),
-            worker: stream.get(),
+        Ok(Call {
+            worker: Some(stream.worker(name)?),
             op,
             name,
             outputs,
             inputs: Inputs::default(),
             args: Args::default(),
-        }
+        })
     }
 
     pub fn tensor(&mut self, t: &TensorArg) -> NifResult<()> {
@@ -218,9 +224,7 @@ impl Call {
         if let Some(bad) = &self.args.bad {
             return Err(crate::error::argument_error(format!("{}: {bad}", self.name)));
         }
-        let Some(worker) = self.worker.take() else {
-            return Err(released_error(self.name, &self.stream.name));
-        };
+        let worker = self.worker.take().expect("a call is submitted once");
         let outs: Vec<TensorArg> = (0..self.outputs).map(|_| TensorResource::new(&worker)).collect();
         let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
         self.inputs.request(self.name);
