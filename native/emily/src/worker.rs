@@ -158,18 +158,24 @@ pub fn quiesce(limit: std::time::Duration) {
     }
 }
 
-/// Runs `job`, unless the process is exiting (then the thread stops for good).
-fn run_job(job: Job, state: &mut State) {
+/// Marks this thread busy and hands `work` back, unless the process is exiting: then
+/// `work` (a job, or a session's arrays) is never used nor dropped, since MLX's statics
+/// are being destroyed, and the thread stops for good.
+fn enter_busy<T>(work: T) -> T {
     BUSY.fetch_add(1, Ordering::SeqCst);
     if EXITING.load(Ordering::SeqCst) {
         BUSY.fetch_sub(1, Ordering::SeqCst);
-        // The job is never run: its captures (MLX arrays included) must not be dropped
-        // either, while MLX's statics are being destroyed.
-        std::mem::forget(job);
+        std::mem::forget(work);
         loop {
             std::thread::park();
         }
     }
+    work
+}
+
+/// Runs `job`, unless the process is exiting (see `enter_busy`).
+fn run_job(job: Job, state: &mut State) {
+    let job = enter_busy(job);
     // MLX errors arrive as Results; a panic here would be a bug in Emily, and must not
     // take the VM down with it.
     let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(state)));
@@ -386,14 +392,7 @@ fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
             }
         }
         // The session is over: every handle is gone, so nothing can name these any more.
-        BUSY.fetch_add(1, Ordering::SeqCst);
-        if EXITING.load(Ordering::SeqCst) {
-            BUSY.fetch_sub(1, Ordering::SeqCst);
-            std::mem::forget(state);
-            loop {
-                std::thread::park();
-            }
-        }
+        state = enter_busy(state);
         // Compiled programs go first: their cache entries live in this thread's cache.
         state.compiled.clear();
         state.arrays.clear();
