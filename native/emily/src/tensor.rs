@@ -73,16 +73,8 @@ impl TensorResource {
 
 impl Drop for TensorResource {
     fn drop(&mut self) {
-        // Arrays are only ever destroyed on a worker thread; nobody waits for that.
-        if self.released.load(Ordering::Acquire) {
-            return;
-        }
-        let id = self.id;
-        let evaluated = self.evaluated.get_mut().unwrap().take();
-        self.worker.submit_lazy(Box::new(move |st: &mut State| {
-            st.arrays.remove(&id);
-            drop(evaluated);
-        }));
+        // Unless released already: the array is freed on its worker, nobody waiting.
+        self.release();
     }
 }
 
