@@ -194,7 +194,8 @@ defmodule Emily.Stream.Defaults do
     )
 
     Emily.Fallback.create_table()
-    # Emily.Compiler's lowered programs (the compiler exists only with Nx).
+    # Emily.Compiler's traced graphs and lowered programs (the compiler exists only with
+    # Nx).
     :ets.new(Emily.Compiler.Cache, [:named_table, :public, :set, read_concurrency: true])
     Emily.Memory.apply_config()
     Emily.Stream.set_spin(Application.get_env(:emily, :spin_us, 0))
