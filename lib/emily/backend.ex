@@ -1237,7 +1237,6 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp n_block(%struct{} = block, %T{type: type} = out, args) when struct in @fast_blocks do
-      require Emily.Debug
       {op, spec} = Emily.Fast.native_call(block, out, args)
       s = stream(args, type)
       inputs = List.to_tuple(args)
@@ -1249,7 +1248,7 @@ if Code.ensure_loaded?(Nx) do
         end)
 
       x = apply(N, op, [s | call_args])
-      if op not in [:rope, :rope_array], do: Emily.Debug.check_finite(s, x, op)
+      if Emily.Debug.checks_finite?(op), do: Emily.Debug.assert_finite!(s, x, op)
       wrap(x, out, s)
     end
 

@@ -48,6 +48,19 @@ defmodule Emily.Debug do
   def detect_nan_inf?, do: @nan_inf
 
   @doc """
+  Whether `:debug_detect_nan_inf` checks the results of the `Emily.Native` op `op`
+  (matmul, norms, attention): `Emily.Backend` checks them, and `Emily.Compiler`'s native
+  path leaves graphs with them to the evaluator path.
+  """
+  @spec checks_finite?(atom) :: boolean
+  if @nan_inf do
+    def checks_finite?(op),
+      do: op in [:dot, :rms_norm, :layer_norm, :scaled_dot_product_attention]
+  else
+    def checks_finite?(_op), do: false
+  end
+
+  @doc """
   With `:debug_bounds_check`, raises `Emily.Error` unless every index of `indices` is in
   range (`size` an axis size, or a list of sizes for `{..., k}` indices: see
   `assert_in_bounds!/4`); otherwise expands to `:ok` (no argument is evaluated).

@@ -303,9 +303,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp lower_op(:dot, [l, cl, bl, r, cr, br], %T{type: type}, st) do
-      # With :debug_detect_nan_inf, a graph with a dot runs on the evaluator path, where
-      # Emily.Backend checks the result of every dot (Emily.Debug).
-      if Emily.Debug.detect_nan_inf?(), do: throw({:unsupported, :debug_detect_nan_inf})
+      checked_by_backend(:dot)
 
       {l, st} = operand(l, type, st)
       {r, st} = operand(r, type, st)
@@ -363,7 +361,7 @@ if Code.ensure_loaded?(Nx) do
           throw({:unsupported, {:block, struct}})
 
         {op, spec} ->
-          if Emily.Debug.detect_nan_inf?(), do: checked_by_backend(op)
+          checked_by_backend(op)
 
           inputs = List.to_tuple(in_args)
 
@@ -383,10 +381,11 @@ if Code.ensure_loaded?(Nx) do
 
     defp lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
-    # As for dot: under :debug_detect_nan_inf, the backend checks the results of the
-    # norms and attention, so graphs with them run on the evaluator path.
-    defp checked_by_backend(op) when op in [:rope, :rope_array], do: :ok
-    defp checked_by_backend(_op), do: throw({:unsupported, :debug_detect_nan_inf})
+    # Under :debug_detect_nan_inf, graphs with ops whose results Emily.Backend checks
+    # (matmul, norms, attention) run on the evaluator path, where each is checked.
+    defp checked_by_backend(op) do
+      if Emily.Debug.checks_finite?(op), do: throw({:unsupported, :debug_detect_nan_inf})
+    end
 
     defp axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
     defp axes(_x, axes), do: axes
