@@ -87,8 +87,13 @@ defmodule Emily do
                          Emily.Telemetry.to_binary_metadata(tensor),
                          &Emily.Telemetry.to_binary_stop/1 do
       ref = make_ref()
-      Native.to_binary(ref, tensor)
-      bin = await(ref)
+
+      bin =
+        case Native.to_binary(ref, tensor) do
+          {:ok, bin} -> bin
+          ^ref -> await(ref)
+        end
+
       Emily.Debug.check_finite(Emily.Stream.current(), tensor, "to_binary")
       bin
     end

@@ -83,25 +83,34 @@ defmodule GpuDecode do
         {compile, t}
       end
 
-    # The program computes what the op-by-op step computes.
+    # The same program through Program.eval/3: built and evaluated inside the call.
     prog = Emily.Program.new(instrs, inputs: length(inputs), outputs: [out])
-    [a] = Emily.Program.run(prog, inputs, stream: s)
-    b = step(s, layers, norm, head, x0)
 
-    diff =
-      N.max(
-        s,
-        N.abs(s, N.subtract(s, N.astype(s, a, {:f, 32}), N.astype(s, b, {:f, 32}))),
-        [0, 1, 2],
-        false
+    program_eval =
+      GpuBench.best(
+        fn -> Emily.release(hd(Emily.Program.eval(prog, inputs, stream: s))) end,
+        20,
+        3
       )
 
-    [max_diff] = Emily.to_list(diff)
+    # The program computes what the op-by-op step computes, run or evaluated in the call.
+    b = step(s, layers, norm, head, x0)
+
+    max_diff =
+      for [a] <- [
+            Emily.Program.run(prog, inputs, stream: s),
+            Emily.Program.eval(prog, inputs, stream: s)
+          ] do
+        diff = N.subtract(s, N.astype(s, a, {:f, 32}), N.astype(s, b, {:f, 32}))
+        hd(Emily.to_list(N.max(s, N.abs(s, diff), [0, 1, 2], false)))
+      end
+      |> Enum.max()
 
     %{
       op_by_op: op_by_op,
       op_by_op_spin: op_by_op_spin,
       program: runs[false],
+      program_eval: program_eval,
       compiled: runs[true],
       max_diff: max_diff
     }

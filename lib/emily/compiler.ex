@@ -15,9 +15,11 @@ if Code.ensure_loaded?(Nx) do
 
     The **native path** (`native: true`) lowers the graph once (at `Nx.Defn.compile`,
     or at the first `Nx.Defn.jit` call for given input shapes and types: see `:cache`)
-    into one `Emily.Program` and replays it per run in one native call on the stream, with
-    the inputs (and the graph's captured tensors) as the program's inputs; with
-    `compile: true` the program is also fused with `mx::compile`. It lowers parameters,
+    into one `Emily.Program` and replays it per run in one native call, with the inputs
+    (and the graph's captured tensors) as the program's inputs, returning its outputs
+    evaluated (`Emily.Program.eval/3`: the call builds and evaluates the graph itself,
+    with no hop to the stream's worker and back); with `compile: true` the program is
+    also fused with `mx::compile` and runs on the stream's worker. It lowers parameters,
     constants, captured tensors, elementwise unary and binary ops (comparisons and
     logical ops give Nx's u8), `as_type` (but not float or complex to integer),
     `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `dot` (batched too),
@@ -172,7 +174,7 @@ if Code.ensure_loaded?(Nx) do
 
       backend = {Emily.Backend, device: Emily.Stream.device(s)}
       inputs = Enum.map(args, &native_input(&1.(), backend)) ++ extras
-      refs = Emily.Program.run(program, inputs, stream: s)
+      refs = Emily.Program.eval(program, inputs, stream: s)
 
       {result, []} =
         Nx.Defn.Composite.traverse(template, refs, fn t, [ref | rest] ->

@@ -14,7 +14,8 @@ defmodule Emily.Native do
       waits for a value: `eval/2`, `to_binary/2`, `describe/2`.
     * **Waiting calls** (`eval`, `to_binary`, `describe`) take a reference first and
       return it; the worker replies `{ref, {:ok, value} | {:error, %Emily.Error{}}}` to
-      the caller. `Emily` wraps them in a `receive`.
+      the caller. `Emily` wraps them in a `receive`. `to_binary` of a tensor already
+      evaluated returns `{:ok, binary}` at once instead (no worker involved).
     * Bad Elixir arguments (wrong term types, an unknown dtype, a negative dimension)
       raise `ArgumentError` before any native work.
 
@@ -24,8 +25,10 @@ defmodule Emily.Native do
       any stream; a lazy one is evaluated on its own stream first.
     * **Graphs**: `eval/2` takes tensors of any streams; `async_eval/1` starts
       evaluations and returns; `program_new/4` and `program_run/3` replay a list of ops
-      in one call, optionally compiled (`Emily.Program` documents the format); `op_table/0`
-      lists the ops programs can use.
+      in one call, optionally compiled (`Emily.Program` documents the format);
+      `program_eval/3` runs and evaluates one on the calling dirty scheduler when its
+      inputs are evaluated (`:pending` otherwise); `op_table/0` lists the ops programs
+      can use.
     * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op
       result larger than MLX's memory limit fails with `Emily.Error`.
     * **Debug** (`debug_*`): counts read back by `Emily.Debug`.

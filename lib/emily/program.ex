@@ -50,6 +50,15 @@ defmodule Emily.Program do
   stream's worker replays the instructions behind them. Inputs may come from any stream.
   A program is immutable and can be run on many streams, concurrently.
 
+  `eval/3` returns the outputs evaluated. When every input is evaluated already, it
+  builds and evaluates the whole graph inside one call on a dirty CPU scheduler (on
+  that thread's own MLX stream of the stream's device), instead of queueing it on the
+  stream's worker and waiting for the worker's reply: for a small graph these two
+  thread hand-offs cost more than the graph itself. Errors raise there and then. The
+  outputs are tensors of the given stream, like `run/3`'s. A lazy input is evaluated
+  first (on its own stream); a compiled program runs on the stream's worker, where its
+  compiled function lives.
+
   With `compile: true`, the first run on each stream traces the program and compiles it
   with `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the
   system C++ compiler, and falls back to unfused code without one). The compiled
@@ -83,6 +92,31 @@ defmodule Emily.Program do
       program,
       inputs
     )
+  end
+
+  @doc """
+  Runs `program` on `inputs` and returns its outputs evaluated (see "Running and
+  compiling" above). Options: `:stream` (default `Emily.Stream.current/0`). Raises
+  `Emily.Error` if MLX rejects an instruction.
+  """
+  @spec eval(t, [Emily.tensor()], keyword) :: [Emily.tensor()]
+  def eval(program, inputs, opts \\ []) when is_list(inputs) do
+    stream = Keyword.get_lazy(opts, :stream, &Emily.Stream.current/0)
+
+    case Emily.Native.program_eval(stream, program, inputs) do
+      outputs when is_list(outputs) ->
+        outputs
+
+      :pending ->
+        if Emily.Native.program_info(program).compile do
+          outputs = Emily.Native.program_run(stream, program, inputs)
+          Emily.eval(outputs)
+          outputs
+        else
+          Emily.eval(inputs)
+          Emily.Native.program_eval(stream, program, inputs)
+        end
+    end
   end
 
   @doc "`%{inputs: n, instructions: n, outputs: n, compile: boolean}`."

@@ -65,6 +65,22 @@ std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inp
   return out;
 }
 
+std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device) {
+  Stream s = mx::default_stream(device == 1 ? mx::Device::gpu : mx::Device::cpu);
+  auto out = std::make_unique<ArrayVec>();
+  out->items = replay(p, inputs.items, s);
+  mx::eval(out->items);
+  bool strided = false;
+  for (auto& a : out->items) {
+    if (!a.flags().row_contiguous) {
+      a = mx::contiguous(a, false, s);
+      strided = true;
+    }
+  }
+  if (strided) mx::eval(out->items);
+  return out;
+}
+
 Compiled::~Compiled() { mx::detail::compile_erase(mx::detail::compile_cache(), id); }
 
 // On the CPU, MLX builds fused kernels by running the system C++ compiler (system() and

@@ -45,6 +45,9 @@ void program_spec_push(ProgramSpec& p, uint32_t op, rust::Str name, rust::Slice<
                        rust::Slice<const rust::String> strs, uint32_t outputs);
 void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots);
 std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inputs, const Stream& s);
+// Replays and evaluates on the calling thread's own default stream of `device`: the
+// outputs come back evaluated and row-contiguous, so they may cross threads.
+std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device);
 std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s);
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
 

@@ -73,6 +73,7 @@ pub mod ffi {
         );
         fn program_spec_outputs(p: Pin<&mut ProgramSpec>, slots: &[u32]);
         fn program_call(p: &ProgramSpec, inputs: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
+        fn program_eval_here(p: &ProgramSpec, inputs: &ArrayVec, device: i32) -> Result<UniquePtr<ArrayVec>>;
         fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
 

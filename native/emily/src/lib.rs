@@ -13,7 +13,7 @@ pub mod term;
 pub mod worker;
 
 pub(crate) mod atoms {
-    rustler::atoms! { ok, error, cpu, gpu, already_released }
+    rustler::atoms! { ok, error, cpu, gpu, already_released, pending }
 }
 
 rustler::init!("Elixir.Emily.Native");

@@ -40,6 +40,17 @@ impl TensorResource {
         })
     }
 
+    /// A tensor of `worker` whose evaluated array `a` was computed elsewhere. The worker
+    /// gets its own reference (queued, so before any later op of it can name the tensor).
+    pub fn from_evaluated(worker: &Arc<Worker>, a: cxx::UniquePtr<ffi::Array>) -> TensorArg {
+        let t = Self::new(worker);
+        let id = t.id;
+        let shared = Arc::new(SendArray(a));
+        *t.evaluated.lock().unwrap() = Some(shared.clone());
+        worker.submit_lazy(Box::new(move |st: &mut State| st.put(id, Ok(ffi::clone_array(&shared.0)))));
+        t
+    }
+
     /// The evaluated array, if some eval/to_binary has produced it.
     pub fn evaluated(&self) -> Option<Arc<SendArray>> {
         self.evaluated.lock().unwrap().clone()
@@ -267,7 +278,8 @@ impl Gather {
 /// `{ref, {:error, e}}` with an error.
 #[rustler::nif]
 fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifResult<Term<'a>> {
-    let groups = by_worker(tensors.0);
+    // Evaluated tensors need no worker: neither does a call with nothing else to wait on.
+    let groups = by_worker(tensors.0.into_iter().filter(|t| t.evaluated().is_none()).collect());
     if groups.is_empty() {
         // OwnedEnv cannot send from a scheduler thread: reply through the caller's env.
         let msg = (reference, (crate::atoms::ok(), crate::atoms::ok())).encode(env);
@@ -310,29 +322,35 @@ fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
     crate::atoms::ok()
 }
 
-/// `to_binary(ref, tensor)`: replies `{ref, {:ok, binary}}`, the binary a zero-copy view of
-/// the evaluated, row-contiguous array.
+/// `to_binary(ref, tensor)`: the evaluated, row-contiguous array's bytes as a zero-copy
+/// binary. An evaluated tensor's come back at once, as `{:ok, binary}`; otherwise the
+/// call returns `ref` and the worker replies `{ref, {:ok, binary}}` once it has them.
 #[rustler::nif]
 fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
+    if let Some(arr) = tensor.evaluated() {
+        return (crate::atoms::ok(), export_binary(env, arr, &tensor.worker)).encode(env);
+    }
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
     worker.submit(Box::new(move |st: &mut State| match evaluate(st, &tensor, "to_binary") {
         Err(e) => reply.send_result::<()>(Err(e)),
         Ok(arr) => {
-            let len = ffi::array_nbytes(&arr.0);
-            let ptr = ffi::array_data(&arr.0);
-            let res = ResourceArc::new(ExportResource { array: Some(arr), worker: tensor.worker.clone() });
-            reply.send(|env| {
-                // SAFETY: the resource keeps the evaluated buffer alive and unchanged for as
-                // long as the binary exists.
-                let bytes: &[u8] =
-                    if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(ptr, len) } };
-                let bin = res.make_binary(env, |_| bytes);
-                (crate::atoms::ok(), bin).encode(env)
-            });
+            reply.send(|env| (crate::atoms::ok(), export_binary(env, arr, &tensor.worker)).encode(env))
         }
     }));
     reference
+}
+
+/// A binary over `arr`'s bytes (evaluated arrays are row-contiguous), which keeps `arr`
+/// alive; `worker` frees it once the binary is garbage.
+fn export_binary<'a>(env: Env<'a>, arr: Arc<SendArray>, worker: &Arc<Worker>) -> Term<'a> {
+    let len = ffi::array_nbytes(&arr.0);
+    let ptr = ffi::array_data(&arr.0);
+    let res = ResourceArc::new(ExportResource { array: Some(arr), worker: worker.clone() });
+    // SAFETY: the resource keeps the evaluated buffer alive and unchanged for as long as
+    // the binary exists.
+    let bytes: &[u8] = if len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(ptr, len) } };
+    res.make_binary(env, |_| bytes).encode(env)
 }
 
 /// `describe(ref, tensor)`: replies `{ref, {:ok, {shape_tuple, dtype}}}` without evaluating.

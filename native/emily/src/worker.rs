@@ -20,6 +20,12 @@
 //! streams come and go. Each thread also makes its stream its MLX default, so that MLX
 //! code that falls back to the default stream does not create another one.
 //!
+//! One path bypasses the workers: `program_eval` (src/ops/program.rs) builds and
+//! evaluates a whole program inside one dirty-scheduler NIF call, on that thread's own
+//! default stream, from evaluated inputs, so nothing lazy outlives the call or crosses a
+//! thread. The dirty CPU schedulers are a fixed set of threads, so the streams they
+//! leave behind stay few. `run_busy` counts such a call in the exit guard below.
+//!
 //! ## Cross-stream inputs, and why they cannot deadlock
 //!
 //! A lazy tensor of worker A used by an op on worker B is first evaluated on A: the NIF
@@ -171,6 +177,15 @@ fn enter_busy<T>(work: T) -> T {
         }
     }
     work
+}
+
+/// Runs `f` on this (non-worker) thread as a job would run, counted busy so that process
+/// exit waits for it (see `enter_busy`).
+pub fn run_busy<R>(f: impl FnOnce() -> R) -> R {
+    let f = enter_busy(f);
+    let r = f();
+    BUSY.fetch_sub(1, Ordering::SeqCst);
+    r
 }
 
 /// Runs `job`, unless the process is exiting (see `enter_busy`).

@@ -254,6 +254,70 @@ fn program_run(
     Ok(outs)
 }
 
+/// `program_eval(stream, program, inputs)`: runs and evaluates the program right here, on
+/// the calling (dirty) scheduler thread, and returns its outputs evaluated, as tensors of
+/// `stream`; or `:pending`, touching nothing, when some input is not evaluated yet or the
+/// program is compiled (a compiled program lives on the workers that compiled it).
+///
+/// This skips the two thread hand-offs of `program_run` + `eval` (to the worker, and the
+/// reply back). It is allowed by MLX's thread rules because the whole graph is built and
+/// evaluated within this one call, on this thread's own stream, from evaluated inputs:
+/// only evaluated arrays leave it. The threads that run it are the VM's fixed set of
+/// dirty CPU schedulers, so the MLX streams it leaves behind stay few.
+#[rustler::nif(schedule = "DirtyCpu")]
+fn program_eval<'a>(
+    env: Env<'a>,
+    stream: StreamArg,
+    program: ResourceArc<ProgramResource>,
+    inputs: List<TensorArg>,
+) -> NifResult<Term<'a>> {
+    eval_here(env, stream, program, inputs)
+}
+
+fn eval_here<'a>(
+    env: Env<'a>,
+    stream: StreamArg,
+    program: ResourceArc<ProgramResource>,
+    inputs: List<TensorArg>,
+) -> NifResult<Term<'a>> {
+    const OP: &str = "program_eval";
+    let inputs = inputs.0;
+    if inputs.len() != program.n_inputs {
+        return Err(argument_error(format!(
+            "{OP}: the program takes {} inputs, got {}",
+            program.n_inputs,
+            inputs.len()
+        )));
+    }
+    let worker = stream.get().ok_or_else(|| released_error(OP, &stream.name))?;
+    let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
+    let Some(evaluated) = evaluated.filter(|_| !program.compile) else {
+        return Ok(crate::atoms::pending().encode(env));
+    };
+    let mut v = ffi::array_vec_new();
+    for a in &evaluated {
+        ffi::array_vec_push(v.pin_mut(), &a.0);
+    }
+    let res = crate::worker::run_busy(|| {
+        let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
+        let mut out = ffi::program_eval_here(&program.spec.0, &v, worker.device as i32)
+            .map_err(|e| mlx_error(OP, e, &refs))?;
+        check_outputs(OP, &out, program.outputs)?;
+        Ok::<_, Error>(
+            (0..program.outputs)
+                .map(|i| {
+                    let a = ffi::array_vec_take(out.pin_mut(), i).expect("output count checked");
+                    TensorResource::from_evaluated(&worker, a)
+                })
+                .collect::<Vec<_>>(),
+        )
+    });
+    match res {
+        Ok(outs) => Ok(outs.encode(env)),
+        Err(e) => Err(crate::error::raise(&e)),
+    }
+}
+
 fn run(
     st: &mut State,
     p: &ProgramResource,

@@ -1,0 +1,144 @@
+defmodule Emily.ProgramEvalTest do
+  # Program.eval/3: a program built and evaluated inside the call, on the calling dirty
+  # scheduler's own MLX stream, when its inputs are evaluated.
+  use Emily.TestCase, async: false
+
+  alias Emily.Program
+
+  # exp(-sum((x * w + x)^2, axis 1) / 100), as in program_test.exs: by hand
+  # [0.434947, 0.375311].
+  @instrs [
+    {:multiply, [0, 1]},
+    {:add, [3, 0]},
+    {:square, [4]},
+    {:sum, [5, [1], false]},
+    {:multiply, [6, 2]},
+    {:exp, [7]}
+  ]
+  @expected [0.434947, 0.375311]
+
+  defp inputs do
+    [
+      t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3}),
+      t([0.5, -1.0, 2.0, 1.0, 0.0, -0.5], {:f, 32}, {2, 3}),
+      t([-0.01], {:f, 32}, {})
+    ]
+  end
+
+  test "gives the hand-computed values and program_run's results, evaluated" do
+    ins = inputs()
+    p = Program.new(@instrs, inputs: 3)
+    [out] = Program.eval(p, ins)
+    assert_close(l(out), @expected)
+    assert l(out) == l(hd(Program.run(p, ins)))
+    assert Emily.shape(out) == {2}
+    assert N.tensor_on_stream(out, s())
+    # Evaluated: its bytes come back without a trip to the worker.
+    assert {:ok, bin} = N.to_binary(make_ref(), out)
+    assert bin == Emily.to_binary(out)
+  end
+
+  test "runs in the call only when every input is evaluated; lazy inputs are evaluated first" do
+    p = Program.new([{:add, [0, 1]}], inputs: 2)
+    x = N.multiply(s(), t([2.0]), t([3.0]))
+    y = t([1.0])
+    assert N.program_eval(s(), p, [x, y]) == :pending
+    # Nothing was queued or changed: the inputs are still lazy.
+    assert is_reference(N.to_binary(make_ref(), x))
+    assert l(hd(Program.eval(p, [x, y]))) == [7.0]
+    Emily.eval([x, y])
+    assert [out] = N.program_eval(s(), p, [x, y])
+    assert l(out) == [7.0]
+  end
+
+  test "outputs are ordinary tensors of the stream: ops, describe, other streams, release" do
+    [a, b] = Enum.map([[1.0, 2.0], [10.0, 20.0]], &t/1)
+    Emily.eval([a, b])
+    p = Program.new([{:add, [0, 1]}, {:multiply, [0, 1]}], inputs: 2, outputs: [2, 3, 0])
+    st = Emily.Stream.new(:cpu)
+    [sum, prod, same] = Program.eval(p, [a, b], stream: st)
+    assert Enum.all?([sum, prod, same], &N.tensor_on_stream(&1, st))
+    # The stream's own worker holds them too (a later op there finds them).
+    assert l(N.subtract(st, prod, sum)) == [-1.0, 18.0]
+    assert Emily.shape(sum) == {2} and Emily.dtype(sum) == {:f, 32}
+    assert l(N.add(s(), sum, same)) == [12.0, 24.0]
+    assert Emily.release(sum) == :ok
+    assert_raise Emily.Error, ~r/released/, fn -> Program.eval(p, [sum, b]) end
+    assert l(prod) == [10.0, 40.0]
+  end
+
+  test "strided outputs come back row-contiguous; integer, bool and empty outputs" do
+    x = t(Enum.map(1..6, &(&1 * 1.0)), {:f, 32}, {2, 3})
+    i = t([1, 2, 3], {:s, 32})
+    e = t([], {:f, 32}, {0, 3})
+    Emily.eval([x, i, e])
+
+    p =
+      Program.new(
+        [{:transpose, [0, [1, 0]]}, {:multiply, [1, 1]}, {:greater, [1, 1]}, {:exp, [2]}],
+        inputs: 3,
+        outputs: [3, 4, 5, 6]
+      )
+
+    [tr, sq, gt, empty] = Program.eval(p, [x, i, e])
+    assert Emily.shape(tr) == {3, 2}
+    assert l(tr) == [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+    assert l(sq) == [1, 4, 9] and Emily.dtype(sq) == {:s, 32}
+    assert l(gt) == [false, false, false]
+    assert Emily.shape(empty) == {0, 3} and l(empty) == []
+  end
+
+  test "a compiled program runs on the stream's worker, evaluated all the same" do
+    ins = inputs()
+    Emily.eval(ins)
+    p = Program.new(@instrs, inputs: 3, compile: true)
+    assert N.program_eval(s(), p, ins) == :pending
+    [out] = Program.eval(p, ins)
+    assert {:ok, _} = N.to_binary(make_ref(), out)
+    assert_close(l(out), @expected)
+  end
+
+  test "MLX errors raise at the call, naming the instruction, shapes and dtypes" do
+    x = t([1.0, 2.0])
+    Emily.eval(x)
+    p = Program.new([{:exp, [0]}, {:reshape, [1, {5}]}, {:negative, [2]}], inputs: 1)
+    e = assert_raise Emily.Error, fn -> Program.eval(p, [x]) end
+    assert e.message =~ "program_eval"
+    assert e.message =~ "instruction 1 (reshape)"
+    assert e.message =~ "f32[2]"
+    # The thread, and the stream, go on.
+    assert l(hd(Program.eval(Program.new([{:exp, [0]}], inputs: 1), [x]))) ==
+             l(N.exp(s(), x))
+  end
+
+  test "bad calls raise ArgumentError" do
+    x = t([1.0])
+    Emily.eval(x)
+    p = Program.new([{:exp, [0]}], inputs: 1)
+    assert_raise ArgumentError, ~r/takes 1 inputs, got 2/, fn -> Program.eval(p, [x, x]) end
+    st = Emily.Stream.new(:cpu)
+    Emily.Stream.release(st)
+    assert_raise ArgumentError, ~r/released/, fn -> Program.eval(p, [x], stream: st) end
+  end
+
+  test "many processes at once, each on its own stream or all on one" do
+    ins = inputs()
+    Emily.eval(ins)
+    p = Program.new(@instrs, inputs: 3)
+    shared = Emily.Stream.new(:cpu)
+
+    results =
+      for i <- 1..16 do
+        Task.async(fn ->
+          st = if rem(i, 2) == 0, do: shared, else: Emily.Stream.new(:cpu)
+          for _ <- 1..50, do: l(hd(Program.eval(p, ins, stream: st)))
+        end)
+      end
+      |> Task.await_many(60_000)
+      |> List.flatten()
+      |> Enum.uniq()
+
+    assert length(results) == 2
+    assert_close(results, @expected)
+  end
+end
