@@ -57,7 +57,10 @@ defmodule Emily.Program do
   thread hand-offs cost more than the graph itself. Errors raise there and then. The
   outputs are tensors of the given stream, like `run/3`'s. A lazy input is evaluated
   first (on its own stream); a compiled program runs on the stream's worker, where its
-  compiled function lives.
+  compiled function lives. Each call holds a dirty CPU scheduler for as long as the
+  graph takes (the VM has one per core): callers beyond that number wait their turn,
+  and other libraries' dirty NIFs with them, so a long GPU graph from many processes
+  at once is better served by `run/3` on a few streams.
 
   With `compile: true`, the first run on each stream traces the program and compiles it
   with `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the
