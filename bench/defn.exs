@@ -5,7 +5,10 @@
 # Needs Nx: run it from a Mix project with both Emily and Nx as dependencies, in a
 # non-test environment (the test config checks every op's result):
 #
-#     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick] [repeats]
+#     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick] [--keep=DIR] [repeats]
+#
+# `--keep=DIR` keeps the lowered programs and their inputs in DIR, for bench/program.exs
+# (which replays them beside Python MLX without Nx, e.g. on a machine that has no Nx).
 #
 # Each graph runs at the bench's size and at a tiny one (batch 1, width 8), where kernel
 # time is negligible and a run's time is the host's cost of its ops. Python MLX
@@ -229,6 +232,8 @@ defmodule Bench.Defn do
   def python(graphs, dir) do
     dump = Path.join(dir, "graphs.py")
     File.write!(dump, py(Enum.map(graphs, & &1.dump)))
+    # The same dump for bench/program.exs, which replays the programs without Nx.
+    File.write!(Path.join(dir, "graphs.etf"), :erlang.term_to_binary(Enum.map(graphs, & &1.dump)))
 
     Bench.python(Path.join(__DIR__, "defn.py"), [dump], [
       {"LD_PRELOAD", "libopenblas.so.0"}
@@ -428,6 +433,19 @@ for {label, a, b} <- chain_rows do
   IO.puts(
     "| #{label} | #{Bench.Defn.fmt(a)} | #{Bench.Defn.fmt(b)} | #{Bench.Defn.fmt(fixed)} | " <>
       "#{:erlang.float_to_binary(per_op, decimals: 2)} us | #{Bench.Defn.r(per_op / py_op)} |"
+  )
+end
+
+if keep =
+     Enum.find_value(
+       argv,
+       &(String.starts_with?(&1, "--keep=") && String.trim_leading(&1, "--keep="))
+     ) do
+  File.rm_rf!(keep)
+  File.cp_r!(dir, keep)
+
+  IO.puts(
+    "\nThe lowered programs and their inputs are in #{keep} (bench/program.exs replays them)."
   )
 end
 

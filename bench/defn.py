@@ -116,12 +116,20 @@ def build(graph, inputs):
     return scope["graph"], source
 
 
+def local(path, dump):
+    """`path`, or the file of that name beside the dump once the dump has been moved."""
+    if os.path.isdir(os.path.dirname(path) or "."):
+        return path
+    return os.path.join(os.path.dirname(os.path.abspath(dump)), os.path.basename(path))
+
+
 def main():
     with open(sys.argv[1]) as f:
         graphs = ast.literal_eval(f.read())
     mx.set_default_device(mx.cpu)
     for g in graphs:
-        inputs = [mx.array(np.fromfile(path, dtype=NP[tuple(d)]).reshape(shape))
+        g["out"] = local(g["out"], sys.argv[1])
+        inputs = [mx.array(np.fromfile(local(path, sys.argv[1]), dtype=NP[tuple(d)]).reshape(shape))
                   for path, shape, d in g["inputs"]]
         mx.eval(inputs)
         fun, source = build(g, inputs)

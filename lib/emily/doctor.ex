@@ -29,6 +29,7 @@ defmodule Emily.Doctor do
     )
 
     info("BLAS for MLX's CPU matmuls: #{blas()}")
+    info("malloc for MLX's CPU buffers: #{malloc()}")
 
     results = for device <- Emily.devices(), do: check(device, size)
 
@@ -117,6 +118,19 @@ defmodule Emily.Doctor do
       end
     else
       _ -> "unknown"
+    end
+  end
+
+  defp malloc do
+    case :persistent_term.get({Emily.Memory, :malloc}, :untouched) do
+      {true, opts} ->
+        "tuned (#{Enum.map_join(opts, ", ", fn {k, v} -> "#{k} #{div(v, 1024 ** 2)} MiB" end)})"
+
+      {false, _} ->
+        "left as it is (not glibc)"
+
+      :untouched ->
+        "left as the VM set it (config :emily, malloc: false)"
     end
   end
 

@@ -14,7 +14,25 @@ defmodule Emily.Memory do
       config :emily,
         memory_limit: 8 * 1024 ** 3,   # set_memory_limit/1
         cache_limit: 512 * 1024 ** 2,  # set_cache_limit/1
-        wired_limit: 0                 # set_wired_limit/1 (Metal only; ignored elsewhere with a warning)
+        wired_limit: 0,                # set_wired_limit/1 (Metal only; ignored elsewhere with a warning)
+        malloc: [mmap_threshold: 32 * 1024 ** 2, trim_threshold: 64 * 1024 ** 2]
+                                       # tune_malloc/1 (the default); `false` leaves malloc alone
+
+  ## Host memory on Linux: glibc's malloc
+
+  On the CPU, MLX allocates its buffers with `malloc`. glibc serves a block above its
+  mmap threshold with a fresh `mmap`, which the kernel zero-fills page by page, and gives
+  it back with `munmap`, which interrupts every core to flush its TLB. In most programs
+  glibc raises that threshold as they free large blocks, so the buffers of a graph run
+  again and again come from the heap (this is what Python MLX and NumPy get). The BEAM
+  sets malloc's trim threshold at boot, which turns that adaptation off: the threshold
+  stays at 128 KiB, and every run of a graph maps and unmaps each of its buffers above
+  that size. At boot Emily therefore sets the threshold to 32 MiB, and the trim
+  threshold (how much free memory at the top of the heap is kept rather than returned
+  to the system) to 64 MiB, the values glibc itself adapts to (`tune_malloc/1`,
+  `config :emily, :malloc`). The price is that up to that much freed memory may stay
+  with the process. `malloc: false` leaves malloc as the VM set it (including a trim
+  threshold set with `+MYtt`). Elsewhere (macOS, musl) it does nothing.
 
   ## The memory limit, and what happens above it
 
@@ -99,9 +117,57 @@ defmodule Emily.Memory do
   def set_wired_limit(bytes) when is_integer(bytes) and bytes >= 0,
     do: call(&Emily.Native.set_wired_limit(&1, &2, bytes))
 
+  @malloc_defaults [mmap_threshold: 32 * 1024 ** 2, trim_threshold: 64 * 1024 ** 2]
+
+  @doc """
+  Sets glibc malloc's mmap threshold and trim threshold (bytes, each below 2 GiB; an
+  option left out is left alone; see "Host memory on Linux" above). Returns `true` when
+  applied, `false` where the C library is not glibc or glibc refused a value.
+
+      iex> Emily.Memory.tune_malloc(mmap_threshold: 32 * 1024 ** 2) in [true, false]
+      true
+  """
+  @spec tune_malloc(keyword) :: boolean
+  def tune_malloc(opts \\ @malloc_defaults) when is_list(opts) do
+    values =
+      for key <- [:mmap_threshold, :trim_threshold] do
+        case Keyword.get(opts, key) do
+          nil ->
+            -1
+
+          v when is_integer(v) and v >= 0 and v < 2_147_483_648 ->
+            v
+
+          v ->
+            raise ArgumentError,
+                  "tune_malloc: #{key} must be a number of bytes below 2 GiB, got #{inspect(v)}"
+        end
+      end
+
+    case Keyword.keys(opts) -- [:mmap_threshold, :trim_threshold] do
+      [] -> :ok
+      other -> raise ArgumentError, "tune_malloc: unknown options #{inspect(other)}"
+    end
+
+    [mmap_threshold, trim_threshold] = values
+    Emily.Native.malloc_tune(mmap_threshold, trim_threshold)
+  end
+
   @doc false
   # Applies the limits of the application environment (at boot).
   def apply_config(env \\ Application.get_all_env(:emily)) do
+    case Keyword.get(env, :malloc, @malloc_defaults) do
+      false ->
+        :persistent_term.put({__MODULE__, :malloc}, :untouched)
+
+      opts when is_list(opts) ->
+        :persistent_term.put({__MODULE__, :malloc}, {tune_malloc(opts), opts})
+
+      other ->
+        raise ArgumentError,
+              "config :emily, malloc: expected a keyword list or false, got #{inspect(other)}"
+    end
+
     for {key, setter} <- [
           memory_limit: &set_memory_limit/1,
           cache_limit: &set_cache_limit/1,

@@ -167,6 +167,44 @@ defmodule Emily.MemoryTest do
     end
   end
 
+  # glibc's malloc: CI and the GPU image are Linux with glibc.
+  @glibc? match?({:unix, :linux}, :os.type()) and
+            File.read!("/proc/self/maps") =~ ~r/libc\.so\.6|libc-2\./
+
+  test "tune_malloc/1 sets glibc's thresholds; bad values raise before any native call" do
+    assert Emily.Memory.tune_malloc(mmap_threshold: 32 * @mib, trim_threshold: 64 * @mib) ==
+             @glibc?
+
+    assert Emily.Memory.tune_malloc([]) == @glibc?
+
+    for bad <- [[mmap_threshold: -1], [trim_threshold: 2 ** 31], [mmap_threshold: "1MB"]] do
+      assert_raise ArgumentError, ~r/bytes below 2 GiB/, fn -> Emily.Memory.tune_malloc(bad) end
+    end
+
+    assert_raise ArgumentError, ~r/unknown options \[:top_pad\]/, fn ->
+      Emily.Memory.tune_malloc(top_pad: 0)
+    end
+
+    assert_raise ArgumentError, ~r/32 bits/, fn -> N.malloc_tune(2 ** 40, -1) end
+  end
+
+  test "apply_config/1 tunes malloc by default, leaves it with `malloc: false`" do
+    try do
+      Emily.Memory.apply_config(malloc: false)
+      assert :persistent_term.get({Emily.Memory, :malloc}) == :untouched
+      Emily.Memory.apply_config([])
+
+      assert {@glibc?, [mmap_threshold: _, trim_threshold: _]} =
+               :persistent_term.get({Emily.Memory, :malloc})
+
+      assert_raise ArgumentError, ~r/malloc: expected a keyword list or false/, fn ->
+        Emily.Memory.apply_config(malloc: true)
+      end
+    after
+      Emily.Memory.apply_config([])
+    end
+  end
+
   # A process that makes and evaluates a tensor, holds it until told to drop it, then
   # exits (the tensor is garbage at once) after a round trip that drains the queue.
   defp spawn_holding(make) do

@@ -4,6 +4,10 @@
 #include <stdexcept>
 #include <string>
 
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
+
 #include "mlx/backend/metal/metal.h"
 #include "mlx/memory.h"
 
@@ -20,6 +24,19 @@ uint64_t memory_set_limit(uint64_t limit) { return mx::set_memory_limit(limit); 
 uint64_t memory_set_cache_limit(uint64_t limit) { return mx::set_cache_limit(limit); }
 uint64_t memory_set_wired_limit(uint64_t limit) { return mx::set_wired_limit(limit); }
 bool metal_available() { return mx::metal::is_available(); }
+
+bool malloc_tune(int32_t mmap_threshold, int32_t trim_threshold) {
+#ifdef __GLIBC__
+  bool ok = true;
+  if (mmap_threshold >= 0) ok = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 && ok;
+  if (trim_threshold >= 0) ok = mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1 && ok;
+  return ok;
+#else
+  (void)mmap_threshold;
+  (void)trim_threshold;
+  return false;
+#endif
+}
 
 void check_result_sizes(const std::vector<mx::array>& arrays) {
   size_t limit = mx::get_memory_limit();

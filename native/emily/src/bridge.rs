@@ -54,6 +54,7 @@ pub mod ffi {
         fn memory_set_cache_limit(limit: u64) -> Result<u64>;
         fn memory_set_wired_limit(limit: u64) -> Result<u64>;
         fn metal_available() -> Result<bool>;
+        fn malloc_tune(mmap_threshold: i32, trim_threshold: i32) -> bool;
 
         // program.h
         include!("program.h");

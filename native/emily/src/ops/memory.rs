@@ -151,3 +151,22 @@ fn set_wired_limit<'a>(
         ffi::memory_set_wired_limit(limit).map_err(|e| mlx(op, e))
     })
 }
+
+/// `malloc_tune(mmap_threshold, trim_threshold)`: sets glibc malloc's `M_MMAP_THRESHOLD`
+/// and `M_TRIM_THRESHOLD` (each left alone when negative); `false` where the C library is
+/// not glibc or glibc refused a value. Not an MLX call: it runs here, on the scheduler.
+///
+/// MLX's CPU allocator is malloc. glibc raises its mmap threshold as a program frees
+/// large blocks, so that buffers freed and allocated again are reused from the heap; the
+/// BEAM sets malloc's trim threshold at boot, which turns that off and leaves the
+/// threshold at 128 KiB. Every array above it is then a fresh mmap, faulted in page by
+/// page and unmapped (with a TLB shootdown on every core) when freed, on every run.
+#[rustler::nif]
+fn malloc_tune(mmap_threshold: i64, trim_threshold: i64) -> NifResult<bool> {
+    let arg = |v: i64, name: &str| {
+        i32::try_from(v.max(-1)).map_err(|_| {
+            crate::error::argument_error(format!("malloc_tune: {name} {v} does not fit in 32 bits"))
+        })
+    };
+    Ok(ffi::malloc_tune(arg(mmap_threshold, "mmap_threshold")?, arg(trim_threshold, "trim_threshold")?))
+}
