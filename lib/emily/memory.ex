@@ -48,9 +48,9 @@ defmodule Emily.Memory do
   above what the machine has, and scratch buffers MLX allocates inside a kernel. Keep
   the limit below the machine's memory (MLX's default is 80% of RAM on the CPU).
 
-  Every function here runs on the default CPU stream's worker: it waits for the work
-  queued there before it, and `clear_cache/0` and `set_cache_limit/1` also wait for the
-  work running on every CPU stream.
+  Every function here but `tune_malloc/1` runs on the default CPU stream's worker: it
+  waits for the work queued there before it, and `clear_cache/0` and `set_cache_limit/1`
+  also wait for the work running on every CPU stream.
   """
 
   require Emily.Telemetry
