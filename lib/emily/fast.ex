@@ -31,7 +31,8 @@ if Code.ensure_loaded?(Nx) do
         second-to-last axis) and keeps the input's floating type.
       * `scaled_dot_product_attention/4` takes `[B, heads, L, D]` queries, keys and
         values; keys and values may have fewer heads than queries (grouped-query
-        attention: the query heads a multiple of theirs). The softmax runs in f32.
+        attention: the query heads a multiple of theirs), and optional attention sinks
+        (one logit per query head). The softmax runs in f32.
 
     On Emily, f16, bf16 and f32 run the MLX kernel; f64 runs the composition (MLX's
     kernels compute in f32 at most).
@@ -68,9 +69,9 @@ if Code.ensure_loaded?(Nx) do
       @moduledoc """
       The `Nx.block/4` struct of `Emily.Fast.scaled_dot_product_attention/4`. `mask` is
       `nil`, `:causal`, `:boolean` or `:additive` (a mask tensor as the block's fourth
-      argument).
+      argument); with `sinks?`, the sink logits are the block's last argument.
       """
-      defstruct scale: nil, mask: nil
+      defstruct scale: nil, mask: nil, sinks?: false
     end
 
     @type tensor :: Nx.Tensor.t() | number
@@ -378,6 +379,10 @@ if Code.ensure_loaded?(Nx) do
         to the scores (in the result type). The causal mask is aligned to the end: query
         `i` sees keys up to `i + L(k) - L(q)`, so a query block continuing a cache sees
         the whole cache.
+      * `:sinks` - attention sinks: a vector of one logit per query head (`{heads(q)}`),
+        taken as the score of an extra key whose value is zero. It joins each softmax
+        and is then dropped, so a head's weights over the real keys sum to less than one
+        (as in gpt-oss). Default `nil`.
 
     Masked-out scores are set to the type's lowest finite value (not `-inf`), so a query
     that sees no key gets the mean of the values, as in MLX.
@@ -391,7 +396,7 @@ if Code.ensure_loaded?(Nx) do
     """
     @spec scaled_dot_product_attention(tensor, tensor, tensor, keyword) :: Nx.Tensor.t()
     deftransform scaled_dot_product_attention(q, k, v, opts \\ []) do
-      opts = Keyword.validate!(opts, scale: nil, mask: nil)
+      opts = Keyword.validate!(opts, scale: nil, mask: nil, sinks: nil)
       name = "scaled_dot_product_attention"
       [q, k, v] = Enum.map([q, k, v], &tensor!(&1, name))
 
@@ -440,14 +445,33 @@ if Code.ensure_loaded?(Nx) do
             {if(float?(mask.type), do: :additive, else: :boolean), [mask]}
         end
 
-      struct = %ScaledDotProductAttention{scale: scale, mask: mask}
+      sinks_args =
+        case opts[:sinks] do
+          nil ->
+            []
 
-      block(struct, [q, k, v | mask_args], Nx.template(out_shape, type), &sdpa_impl/2)
+          sinks ->
+            sinks = tensor!(sinks, name)
+
+            if sinks.shape != {nq} do
+              raise ArgumentError,
+                    "#{name}: expected sinks of shape #{inspect({nq})} (one per query head), " <>
+                      "got #{inspect(sinks.shape)}"
+            end
+
+            [sinks]
+        end
+
+      struct = %ScaledDotProductAttention{scale: scale, mask: mask, sinks?: sinks_args != []}
+      args = [q, k, v | mask_args] ++ sinks_args
+
+      block(struct, args, Nx.template(out_shape, type), &sdpa_impl/2)
       |> rename([nil, nil, nil, nil])
     end
 
-    defp sdpa_impl(%ScaledDotProductAttention{scale: scale, mask: mode}, [q, k, v | mask]) do
-      mask = List.first(mask)
+    defp sdpa_impl(%ScaledDotProductAttention{scale: scale, mask: mode} = s, [q, k, v | rest]) do
+      mask = if mode in [:boolean, :additive], do: hd(rest)
+      sinks = if s.sinks?, do: List.last(rest)
       type = Nx.Type.to_floating(merge_types([q, k, v]))
       {b, nq, lq, d} = q.shape
       {_, nk, lk, _} = k.shape
@@ -482,8 +506,25 @@ if Code.ensure_loaded?(Nx) do
         end
 
       scores = Nx.as_type(scores, compute_type(type))
+
+      # A sink is one more column of scores (one logit per query head), dropped after
+      # the softmax.
+      scores =
+        if sinks do
+          column =
+            sinks
+            |> Nx.as_type(compute_type(type))
+            |> Nx.reshape({1, nk, groups, 1, 1})
+            |> Nx.broadcast({b, nk, groups, lq, 1})
+
+          Nx.concatenate([scores, column], axis: 4)
+        else
+          scores
+        end
+
       exp = Nx.exp(Nx.subtract(scores, Nx.reduce_max(scores, axes: [-1], keep_axes: true)))
       probs = Nx.as_type(Nx.divide(exp, Nx.sum(exp, axes: [-1], keep_axes: true)), type)
+      probs = if sinks, do: Nx.slice_along_axis(probs, 0, lk, axis: 4), else: probs
 
       probs
       |> Nx.dot([4], [0, 1], v, [2], [0, 1])
@@ -547,15 +588,19 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    defp call(%ScaledDotProductAttention{scale: scale, mask: mask}, type, _args) do
+    defp call(%ScaledDotProductAttention{scale: scale, mask: mask, sinks?: s?}, type, args) do
       qkv = [{:arg, 0, type}, {:arg, 1, type}, {:arg, 2, type}, scale]
+      sinks = if s?, do: {:arg, length(args) - 1, type}
 
-      case mask do
-        nil -> {:scaled_dot_product_attention, qkv ++ ["", nil, nil]}
-        :causal -> {:scaled_dot_product_attention, qkv ++ ["causal", nil, nil]}
-        :boolean -> {:scaled_dot_product_attention, qkv ++ ["array", {:arg, 3, :bool}, nil]}
-        :additive -> {:scaled_dot_product_attention, qkv ++ ["array", {:arg, 3, type}, nil]}
-      end
+      mask_args =
+        case mask do
+          nil -> ["", nil]
+          :causal -> ["causal", nil]
+          :boolean -> ["array", {:arg, 3, :bool}]
+          :additive -> ["array", {:arg, 3, type}]
+        end
+
+      {:scaled_dot_product_attention, qkv ++ mask_args ++ [sinks]}
     end
 
     defp call(_struct, _type, _args), do: nil
@@ -571,6 +616,7 @@ if Code.ensure_loaded?(Nx) do
           [_, _] -> fn s, a, b -> impl.(s, [a, b]) end
           [_, _, _] -> fn s, a, b, c -> impl.(s, [a, b, c]) end
           [_, _, _, _] -> fn s, a, b, c, d -> impl.(s, [a, b, c, d]) end
+          [_, _, _, _, _] -> fn s, a, b, c, d, e -> impl.(s, [a, b, c, d, e]) end
         end
 
       Nx.block(struct, args, out, fun)

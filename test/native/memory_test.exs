@@ -20,8 +20,9 @@ defmodule Emily.MemoryTest do
       st = s()
       holder = spawn_holding(fn -> N.full(st, {4 * @mib}, 1.0, {:f, 32}) end)
       held = Emily.Memory.stats().active
-      # 16 MiB (the from-list inputs of other tests are small).
-      assert held - before >= 16 * @mib
+      # 16 MiB, give or take the small tensors of earlier tests that their workers free
+      # meanwhile (one run saw 12 bytes fewer).
+      assert held - before >= 16 * @mib - 64 * 1024
       send(holder, :drop)
       # Other streams may still be finishing earlier tests' work: wait for the drop to show
       # (the waiting's own small tensors add a few bytes).

@@ -31,6 +31,16 @@ if Code.ensure_loaded?(Nx) do
       do: Fast.scaled_dot_product_attention(q, k, v, mask: mask, scale: 0.3)
     )
 
+    defn(sdpa_sinks(q, k, v, sinks), do: Fast.scaled_dot_product_attention(q, k, v, sinks: sinks))
+
+    defn(sdpa_sinks_causal(q, k, v, sinks),
+      do: Fast.scaled_dot_product_attention(q, k, v, sinks: sinks, mask: :causal)
+    )
+
+    defn(sdpa_sinks_mask(q, k, v, mask, sinks),
+      do: Fast.scaled_dot_product_attention(q, k, v, mask: mask, sinks: sinks)
+    )
+
     # A transformer-ish block: every kernel in one graph.
     defn block(x, w, q, k, v, offset) do
       h = Fast.rms_norm(x, w)
@@ -380,6 +390,33 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    test "attention sinks: hand-checked, and agreeing with the default" do
+      # One key of score 1 and a sink of logit 1: half the weight goes to the sink.
+      q = Nx.tensor([[[[1.0, 0.0]]]])
+      k = Nx.tensor([[[[1.0, 0.0]]]])
+      v = Nx.tensor([[[[10.0]]]])
+
+      for backend <- [Nx.BinaryBackend, Emily.Backend] do
+        [q, k, v, sinks] = Enum.map([q, k, v, Nx.tensor([1.0])], &Nx.backend_copy(&1, backend))
+        out = Fast.scaled_dot_product_attention(q, k, v, scale: 1.0, sinks: sinks)
+        assert_list(out, [5.0])
+      end
+
+      # Grouped heads (4 query heads, 2 key/value heads), every mask kind, each type.
+      for type <- types() do
+        q = O.tensor({2, 4, 3, 4}, type)
+        k = O.tensor({2, 2, 5, 4}, type)
+        v = O.tensor({2, 2, 5, 6}, type)
+        sinks = O.tensor({4}, type)
+        o = [oracle: {:f, 32}]
+        check_paths(&sdpa_sinks/4, [q, k, v, sinks], o)
+        check_paths(&sdpa_sinks_causal/4, [q, k, v, sinks], o)
+        mask = O.tensor({3, 5}, {:u, 8}, {:range, 0, 1})
+        check_paths(&sdpa_sinks_mask/5, [q, k, v, mask, sinks], o)
+        check_paths(&sdpa_sinks_mask/5, [q, k, v, O.tensor({5}, {:f, 32}), sinks], o)
+      end
+    end
+
     test "attention runs natively on Emily" do
       q = O.tensor({1, 4, 2, 4}, {:f, 32})
       k = O.tensor({1, 2, 3, 4}, {:f, 32})
@@ -388,6 +425,9 @@ if Code.ensure_loaded?(Nx) do
       assert_native(&sdpa_causal/3, [q, k, v])
       assert_native(&sdpa_mask/4, [q, k, v, Nx.tensor([1, 0, 1], type: :u8)])
       assert_native(&sdpa_mask/4, [q, k, v, O.tensor({2, 3}, {:f, 32})])
+      sinks = O.tensor({4}, {:f, 32})
+      assert_native(&sdpa_sinks/4, [q, k, v, sinks])
+      assert_native(&sdpa_sinks_mask/5, [q, k, v, Nx.tensor([1, 0, 1], type: :u8), sinks])
     end
 
     ## Together, f64, grad
@@ -497,6 +537,12 @@ if Code.ensure_loaded?(Nx) do
       assert_raise ArgumentError, ~r/key and value heads and lengths/, fn ->
         sdpa.(q, k, Nx.iota({1, 2, 4, 8}), [])
       end
+
+      assert_raise ArgumentError,
+                   ~r/sinks of shape \{4\} \(one per query head\), got \{2\}/,
+                   fn ->
+                     sdpa.(q, k, k, sinks: Nx.tensor([0.0, 1.0]))
+                   end
 
       assert_raise ArgumentError, ~r/does not broadcast/, fn ->
         sdpa.(q, k, k, mask: Nx.iota({2, 4}))
