@@ -107,7 +107,7 @@ if Code.ensure_loaded?(Nx) do
     defp lowered(key, vars, fun, opts, device) do
       {cache?, opts} = Keyword.pop(opts, :cache, true)
 
-      cached(cache?, {:native, key, Enum.map(vars, &args_key/1), device, opts}, fn ->
+      cached(cache?, {:native, key, Enum.map(vars, &args_key/1), device, cache_opts(opts)}, fn ->
         catch_unsupported(fn -> Native.lower(vars, fun, opts ++ [device: device]) end)
       end)
     end
@@ -126,6 +126,17 @@ if Code.ensure_loaded?(Nx) do
             cache_store(cache_key, value)
             {:ok, value}
           end
+      end
+    end
+
+    # A stream stands in a cache key for its device: what is kept does not depend on the
+    # stream that runs it (programs and traced graphs run on any stream of the device),
+    # and a handle in a key would keep the stream, and its worker thread, alive for as
+    # long as the entry (Nx.Serving makes new streams for its partitions at each start).
+    defp cache_opts(opts) do
+      case Keyword.pop(opts, :stream) do
+        {nil, opts} -> opts
+        {stream, opts} -> [{:stream_device, Emily.Stream.device(stream)} | opts]
       end
     end
 
@@ -199,7 +210,7 @@ if Code.ensure_loaded?(Nx) do
       evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
 
       {:ok, compiled} =
-        cached(cache?, {:evaluator, key, Enum.map(vars, &args_key/1), opts}, fn ->
+        cached(cache?, {:evaluator, key, Enum.map(vars, &args_key/1), cache_opts(opts)}, fn ->
           {:ok,
            in_context(stream, backend, fn ->
              Nx.Defn.Evaluator.__compile__(key, vars, fun, evaluator_opts)

@@ -189,6 +189,34 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    test "a kept graph or program does not keep the stream that ran it alive" do
+      busy = fn ->
+        %{started: started, idle: idle} = Emily.Stream.thread_stats(:cpu)
+        started - idle
+      end
+
+      before = busy.()
+
+      # Both paths, on a fresh stream each, in a process whose results die with it.
+      Task.async(fn ->
+        for path <- [[native: true], []] do
+          s = Emily.Stream.new(:cpu)
+
+          assert Nx.to_flat_list(ejit(&softmax/1, [stream: s] ++ path).(Nx.tensor([0.0, 0.0]))) ==
+                   [0.5, 0.5]
+        end
+      end)
+      |> Task.await()
+
+      # Once the streams are garbage, their worker threads go back to the idle pool
+      # (before, the cache's keys held the stream handles).
+      assert Enum.any?(1..100, fn _ ->
+               :erlang.garbage_collect()
+               Process.sleep(20)
+               busy.() <= before
+             end)
+    end
+
     defp traces do
       receive do
         :traced -> 1 + traces()

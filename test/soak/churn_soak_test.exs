@@ -27,7 +27,7 @@ defmodule Emily.Soak.ChurnTest do
 
   # Until no more threads are busy than before the test (the batch's streams are
   # garbage). Before: the default CPU stream's, and those of streams that other suites
-  # left alive (the compiler's cache, say, keeps tensors of the streams it ran on).
+  # left alive (the compiler's cache, say, keeps the tensors jitted functions capture).
   defp await_idle(before, tries \\ 500) do
     cond do
       busy() <= before -> :ok
