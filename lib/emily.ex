@@ -119,12 +119,20 @@ defmodule Emily do
     tensors = List.wrap(tensors)
 
     Emily.Telemetry.span :eval, Emily.Telemetry.eval_metadata(tensors) do
-      ref = make_ref()
-      Native.eval(ref, tensors)
-      :ok = await(ref)
+      evaluate(tensors)
       Emily.Debug.check_finite(Emily.Stream.current(), tensors, "eval")
       :ok
     end
+  end
+
+  @doc false
+  # `eval/1` without its telemetry span and debug check: for evaluations Emily makes on
+  # its own account (a program's lazy inputs), which the caller did not ask to read.
+  @spec evaluate([tensor]) :: :ok
+  def evaluate(tensors) when is_list(tensors) do
+    ref = make_ref()
+    Native.eval(ref, tensors)
+    :ok = await(ref)
   end
 
   @doc """

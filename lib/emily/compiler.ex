@@ -30,8 +30,9 @@ if Code.ensure_loaded?(Nx) do
     vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, ...). With `:debug_detect_nan_inf` (`Emily.Debug`),
-    `dot` is not lowered (reason `:debug_detect_nan_inf`), so that `Emily.Backend` checks
-    each one. The evaluator path stays the default.
+    the program also counts the non-finite values of each result `Emily.Backend` would
+    check (`dot`, and `Emily.Fast`'s norms and attention), and the run raises as the
+    backend would. The evaluator path stays the default.
 
     ## Options
 
@@ -86,11 +87,11 @@ if Code.ensure_loaded?(Nx) do
         end
 
       case lowered(key, vars, fun, opts, device) do
-        {:ok, {program, extras, template}} ->
+        {:ok, {program, extras, template, checks}} ->
           extras = Enum.map(extras, & &1.data.ref)
 
           fn args_list ->
-            Enum.map(args_list, &run_native(program, extras, template, &1, opts))
+            Enum.map(args_list, &run_native(program, extras, template, checks, &1, opts))
           end
 
         {:unsupported, reason} ->
@@ -175,7 +176,7 @@ if Code.ensure_loaded?(Nx) do
       {:unsupported, reason} -> {:unsupported, reason}
     end
 
-    defp run_native(program, extras, template, args, opts) do
+    defp run_native(program, extras, template, checks, args, opts) do
       s =
         opts[:stream] || Emily.Stream.selected() ||
           if(device = opts[:device],
@@ -186,6 +187,17 @@ if Code.ensure_loaded?(Nx) do
       backend = {Emily.Backend, device: Emily.Stream.device(s)}
       inputs = Enum.map(args, &native_input(&1.(), backend)) ++ extras
       refs = Emily.Program.eval(program, inputs, stream: s)
+
+      refs =
+        case checks do
+          [] ->
+            refs
+
+          checks ->
+            {refs, counts} = Enum.split(refs, length(refs) - length(checks))
+            Native.check_finite!(counts, checks)
+            refs
+        end
 
       {result, []} =
         Nx.Defn.Composite.traverse(template, refs, fn t, [ref | rest] ->

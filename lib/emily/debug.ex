@@ -25,12 +25,12 @@ defmodule Emily.Debug do
       drops writes at out-of-range indices (MLX itself does not check). Slices with
       tensor start indices are not checked: Nx clamps their starts by definition.
     * `:debug_detect_nan_inf`: `check_finite/3` runs on the result of every `Nx.dot/2`
-      (and `Nx.dot/6`) in `Emily.Backend` (with the flag, `Emily.Compiler`'s native path
-      leaves `dot` to the evaluator path, so that each one is checked), and after
-      `Emily.eval/1` and `Emily.to_binary/1` on their results, which covers every
-      tensor read back to Elixir, and on the results of `Emily.Fast`'s norms and
-      attention on `Emily.Backend` (the native path then leaves those to the
-      evaluator path as well).
+      (and `Nx.dot/6`) in `Emily.Backend`, and after `Emily.eval/1` and
+      `Emily.to_binary/1` on their results, which covers every tensor read back to
+      Elixir, and on the results of `Emily.Fast`'s norms and attention on
+      `Emily.Backend`. `Emily.Compiler`'s native path checks the same results inside
+      its program: the program also returns each one's count of non-finite values, and
+      the run raises the same error when one is not zero.
 
   Only floating-point and complex results are checked for NaN and infinities.
   Each raises `Emily.Error` naming the op and how many values failed.
@@ -49,8 +49,7 @@ defmodule Emily.Debug do
 
   @doc """
   Whether `:debug_detect_nan_inf` checks the results of the `Emily.Native` op `op`
-  (matmul, norms, attention): `Emily.Backend` checks them, and `Emily.Compiler`'s native
-  path leaves graphs with them to the evaluator path.
+  (matmul, norms, attention), in `Emily.Backend` and in `Emily.Compiler`'s native path.
   """
   @spec checks_finite?(atom) :: boolean
   if @nan_inf do
@@ -175,15 +174,23 @@ defmodule Emily.Debug do
           :ok
 
         n ->
-          raise Emily.Error,
-            op: to_string(op),
-            message:
-              "#{op}: #{n} NaN or infinite values in a #{describe(tensor)} result " <>
-                "(debug_detect_nan_inf)"
+          nonfinite!(op, n, Emily.dtype(tensor), Emily.shape(tensor))
       end
     else
       :ok
     end
+  end
+
+  @doc false
+  # The error of a `:debug_detect_nan_inf` check that found `n` non-finite values in an
+  # `op` result of `type` and `shape` (also raised by Emily.Compiler's native path).
+  @spec nonfinite!(String.t() | atom, pos_integer, Emily.dtype(), tuple) :: no_return
+  def nonfinite!(op, n, type, shape) do
+    raise Emily.Error,
+      op: to_string(op),
+      message:
+        "#{op}: #{n} NaN or infinite values in a #{describe(type, shape)} result " <>
+          "(debug_detect_nan_inf)"
   end
 
   # A count as an integer. (Over a scalar, MLX's sum has no axis to reduce and keeps the
@@ -196,13 +203,15 @@ defmodule Emily.Debug do
   defp floating?({kind, _}), do: kind in [:f, :bf, :c]
   defp floating?(_), do: false
 
-  defp describe(tensor) do
+  defp describe(tensor), do: describe(Emily.dtype(tensor), Emily.shape(tensor))
+
+  defp describe(type, shape) do
     {kind, bits} =
-      case Emily.dtype(tensor) do
+      case type do
         :bool -> {:bool, ""}
         t -> t
       end
 
-    "#{kind}#{bits}#{inspect(Tuple.to_list(Emily.shape(tensor)))}"
+    "#{kind}#{bits}#{inspect(Tuple.to_list(shape))}"
   end
 end

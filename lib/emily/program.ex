@@ -113,10 +113,10 @@ defmodule Emily.Program do
       :pending ->
         if Emily.Native.program_info(program).compile do
           outputs = Emily.Native.program_run(stream, program, inputs)
-          Emily.eval(outputs)
+          Emily.evaluate(outputs)
           outputs
         else
-          Emily.eval(inputs)
+          Emily.evaluate(inputs)
           Emily.Native.program_eval(stream, program, inputs)
         end
     end

@@ -174,11 +174,11 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # Without the flag: `fun`'s result is `value`. With it: `fun` itself raises (before
-    # anything reads the result) for `dot`, with `message`.
-    defp nonfinite(fun, value, message) do
+    # anything reads the result) for `op`, with `message`.
+    defp nonfinite(fun, value, message, op \\ "dot") do
       if Emily.Debug.detect_nan_inf?() do
         e = assert_raise Emily.Error, fun
-        assert e.op == "dot"
+        assert e.op == op
         assert e.message =~ message
         assert e.message =~ "(debug_detect_nan_inf)"
       else
@@ -216,12 +216,41 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_list(Nx.dot(Nx.tensor([[1, 2]]), Nx.tensor([[3], [4]]))) == [[11]]
     end
 
-    test "dot under Emily.Compiler's native path" do
-      dot = Nx.Defn.jit(&Nx.dot/2, compiler: Emily.Compiler, native: true)
+    test "dot and Emily.Fast under Emily.Compiler's native path, checked in the program" do
+      import Emily.NxCompiler, only: [with_fallbacks: 1]
+
+      # Two dots of one product (one check, the graph shares the node) and a finite one.
+      fun = fn a, b -> {Nx.dot(a, b), Nx.add(Nx.dot(a, b), 1), Nx.dot(b, a)} end
+      jit = Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true)
+
+      {{ab, ab1, ba}, fallbacks} =
+        with_fallbacks(fn -> jit.(Nx.tensor([[1.0, 2.0]]), Nx.tensor([[3.0], [4.0]])) end)
+
+      assert fallbacks == []
+
+      assert {Nx.to_list(ab), Nx.to_list(ab1), Nx.to_list(ba)} ==
+               {[[11.0]], [[12.0]], [[3.0, 6.0], [4.0, 8.0]]}
+
       a = Nx.tensor([[1.0e30, 1.0e30]])
       b = Nx.tensor([[1.0e30], [1.0e30]])
-      assert Nx.to_list(dot.(Nx.tensor([[1.0, 2.0]]), Nx.tensor([[3.0], [4.0]]))) == [[11.0]]
-      nonfinite(fn -> dot.(a, b) end, [[:infinity]], "dot: 1 NaN or infinite values")
+      # Both products overflow; the first checked result raises.
+      nonfinite(
+        fn -> elem(jit.(a, b), 0) end,
+        [[:infinity]],
+        "dot: 1 NaN or infinite values in a f32[1, 1] result"
+      )
+
+      norm = Nx.Defn.jit(&Emily.Fast.rms_norm(&1, nil), compiler: Emily.Compiler, native: true)
+      {out, fallbacks} = with_fallbacks(fn -> norm.(Nx.tensor([[1.0, 1.0]])) end)
+      assert fallbacks == []
+      assert Enum.all?(Nx.to_flat_list(out), &(abs(&1 - 1.0) < 1.0e-5))
+
+      nonfinite(
+        fn -> norm.(Nx.tensor([[:nan, 1.0]])) end,
+        [[:nan, :nan]],
+        "rms_norm: 2 NaN or infinite values in a f32[1, 2] result",
+        "rms_norm"
+      )
     end
   end
 else

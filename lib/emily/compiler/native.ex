@@ -35,11 +35,13 @@ if Code.ensure_loaded?(Nx) do
     @max_exact 9_007_199_254_740_992
 
     @doc false
-    # Lowers `fun.(vars)`. Returns `{program, extras, output}`: extras are the captured
-    # tensors (as Emily tensors on `device`) passed after the parameters, output the
-    # result container of templates. Throws `{:unsupported, reason}`.
+    # Lowers `fun.(vars)`. Returns `{program, extras, output, checks}`: extras are the
+    # captured tensors (as Emily tensors on `device`) passed after the parameters, output
+    # the result container of templates, checks the `{op, template}` of each result
+    # whose count of non-finite values the program returns after the outputs (under
+    # :debug_detect_nan_inf; see `check_finite!/2`). Throws `{:unsupported, reason}`.
     def lower(vars, fun, opts) do
-      {instrs, inputs, outputs, extras, template} = instructions(vars, fun, opts)
+      %{instrs: instrs, inputs: inputs, outputs: outputs} = lowered = lowering(vars, fun, opts)
 
       program =
         Emily.Program.new(instrs,
@@ -48,7 +50,22 @@ if Code.ensure_loaded?(Nx) do
           compile: Keyword.get(opts, :compile, false)
         )
 
-      {program, extras, template}
+      {program, lowered.extras, lowered.template, lowered.checks}
+    end
+
+    @doc false
+    # Raises Emily.Error, as Emily.Backend's check would, if a count the program returned
+    # for a checked result is not zero. `counts` are the program's outputs after the
+    # result's.
+    def check_finite!(counts, checks) do
+      Enum.zip_with(counts, checks, fn count, {op, %T{shape: shape, type: type}} ->
+        case Emily.to_list(count) do
+          [0] -> :ok
+          [n] -> Emily.Debug.nonfinite!(op, n, type, shape)
+        end
+      end)
+
+      :ok
     end
 
     @doc false
@@ -81,6 +98,11 @@ if Code.ensure_loaded?(Nx) do
     # The lowering itself, before `Emily.Program.new/2`: `{instructions, inputs,
     # outputs, extras, template}` (bench/defn.exs hands it to its Python twin).
     def instructions(vars, fun, opts) do
+      l = lowering(vars, fun, opts)
+      {l.instrs, l.inputs, l.outputs, l.extras, l.template}
+    end
+
+    defp lowering(vars, fun, opts) do
       device = Keyword.fetch!(opts, :device)
       flat_vars = Composite.flatten_list(vars)
 
@@ -103,7 +125,8 @@ if Code.ensure_loaded?(Nx) do
         instrs: [],
         memo: extra_slots,
         emitted: %{},
-        device: device
+        device: device,
+        checks: []
       }
 
       {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)
@@ -111,7 +134,16 @@ if Code.ensure_loaded?(Nx) do
       {template, []} =
         Composite.traverse(result, outputs, fn _, [t | rest] -> {Nx.to_template(t), rest} end)
 
-      {Enum.reverse(st.instrs), params + length(extras), slots, extras, template}
+      checks = Enum.reverse(st.checks)
+
+      %{
+        instrs: Enum.reverse(st.instrs),
+        inputs: params + length(extras),
+        outputs: slots ++ Enum.map(checks, &elem(&1, 0)),
+        extras: extras,
+        template: template,
+        checks: Enum.map(checks, fn {_slot, op, t} -> {op, t} end)
+      }
     end
 
     defp to_device(%T{data: %Emily.Backend{}} = t, _device), do: t
@@ -302,12 +334,11 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :broadcast_to, [slot, shape])
     end
 
-    defp lower_op(:dot, [l, cl, bl, r, cr, br], %T{type: type}, st) do
-      checked_by_backend(:dot)
-
+    defp lower_op(:dot, [l, cl, bl, r, cr, br], %T{type: type} = t, st) do
       {l, st} = operand(l, type, st)
       {r, st} = operand(r, type, st)
-      emit(st, :dot, [l, cl, bl, r, cr, br])
+      {slot, st} = emit(st, :dot, [l, cl, bl, r, cr, br])
+      {slot, checked(st, :dot, slot, t)}
     end
 
     defp lower_op(op, [x, opts], %T{type: type}, st) when is_map_key(@reduce, op) do
@@ -361,8 +392,6 @@ if Code.ensure_loaded?(Nx) do
           throw({:unsupported, {:block, struct}})
 
         {op, spec} ->
-          checked_by_backend(op)
-
           inputs = List.to_tuple(in_args)
 
           {args, st} =
@@ -371,7 +400,8 @@ if Code.ensure_loaded?(Nx) do
               other, st -> {other, st}
             end)
 
-          emit(st, op, args)
+          {slot, st} = emit(st, op, args)
+          {slot, checked(st, op, slot, t)}
       end
     end
 
@@ -381,10 +411,20 @@ if Code.ensure_loaded?(Nx) do
 
     defp lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
-    # Under :debug_detect_nan_inf, graphs with ops whose results Emily.Backend checks
-    # (matmul, norms, attention) run on the evaluator path, where each is checked.
-    defp checked_by_backend(op) do
-      if Emily.Debug.checks_finite?(op), do: throw({:unsupported, :debug_detect_nan_inf})
+    # Under :debug_detect_nan_inf, the results Emily.Backend checks (matmul, norms,
+    # attention) are checked here too: the program also returns each one's count of
+    # non-finite values (read and reported by the compiler after the run). Each checked
+    # slot is counted once, however often the graph uses it.
+    defp checked(st, op, slot, %T{type: {kind, _}} = t) do
+      if Emily.Debug.checks_finite?(op) and kind in [:f, :bf, :c] do
+        {count, st} = emit(st, :debug_count_nonfinite, [slot])
+
+        if Enum.any?(st.checks, &(elem(&1, 0) == count)),
+          do: st,
+          else: %{st | checks: [{count, op, Nx.to_template(t)} | st.checks]}
+      else
+        st
+      end
     end
 
     defp axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
