@@ -182,10 +182,15 @@ fn enter_busy<T>(work: T) -> T {
 /// Runs `f` on this (non-worker) thread as a job would run, counted busy so that process
 /// exit waits for it (see `enter_busy`).
 pub fn run_busy<R>(f: impl FnOnce() -> R) -> R {
+    struct Done;
+    impl Drop for Done {
+        fn drop(&mut self) {
+            BUSY.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
     let f = enter_busy(f);
-    let r = f();
-    BUSY.fetch_sub(1, Ordering::SeqCst);
-    r
+    let _done = Done;
+    f()
 }
 
 /// Runs `job`, unless the process is exiting (see `enter_busy`).

@@ -271,15 +271,6 @@ fn program_eval<'a>(
     program: ResourceArc<ProgramResource>,
     inputs: List<TensorArg>,
 ) -> NifResult<Term<'a>> {
-    eval_here(env, stream, program, inputs)
-}
-
-fn eval_here<'a>(
-    env: Env<'a>,
-    stream: StreamArg,
-    program: ResourceArc<ProgramResource>,
-    inputs: List<TensorArg>,
-) -> NifResult<Term<'a>> {
     const OP: &str = "program_eval";
     let inputs = inputs.0;
     if inputs.len() != program.n_inputs {
