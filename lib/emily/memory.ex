@@ -122,7 +122,9 @@ defmodule Emily.Memory do
   @doc """
   Sets glibc malloc's mmap threshold and trim threshold (bytes, each below 2 GiB; an
   option left out is left alone; see "Host memory on Linux" above). Returns `true` when
-  applied, `false` where the C library is not glibc or glibc refused a value.
+  applied, `false` where the C library is not glibc or glibc refused a value. Both are
+  the whole process's settings: a small mmap threshold sends every allocation above it,
+  the VM's included, through `mmap`.
 
       iex> Emily.Memory.tune_malloc(mmap_threshold: 32 * 1024 ** 2) in [true, false]
       true

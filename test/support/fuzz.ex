@@ -377,5 +377,11 @@ defmodule Emily.Fuzz do
   # valid times are capped (every other term goes through), and the run resets it.
   defp constrain(:stream_set_spin, [us]) when is_integer(us) and us > 100, do: [100]
 
+  # malloc's thresholds are the whole process's: a random small mmap threshold would send
+  # every later allocation of the VM through mmap, for the rest of the run and beyond.
+  # Valid integers become "leave it" (-1); every other term goes through.
+  defp constrain(:malloc_tune, args),
+    do: Enum.map(args, &if(is_integer(&1) and &1 >= 0 and &1 < 2 ** 31, do: -1, else: &1))
+
   defp constrain(_, args), do: args
 end
