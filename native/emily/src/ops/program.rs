@@ -214,6 +214,25 @@ fn program_new<'a>(
     }))
 }
 
+/// A run's inputs, checked against the program, and the stream's worker.
+fn call_args(
+    op: &str,
+    stream: &StreamArg,
+    program: &ProgramResource,
+    inputs: List<TensorArg>,
+) -> NifResult<(Vec<TensorArg>, Arc<Worker>)> {
+    let inputs = inputs.0;
+    if inputs.len() != program.n_inputs {
+        return Err(argument_error(format!(
+            "{op}: the program takes {} inputs, got {}",
+            program.n_inputs,
+            inputs.len()
+        )));
+    }
+    let worker = stream.get().ok_or_else(|| released_error(op, &stream.name))?;
+    Ok((inputs, worker))
+}
+
 /// `program_run(stream, program, inputs)`: queues the program on `stream`'s worker and
 /// returns its outputs at once, as lazy tensors (errors surface at the next waiting call,
 /// like any op's). Inputs may live on any stream (lazy ones are evaluated there first).
@@ -224,15 +243,7 @@ fn program_run(
     inputs: List<TensorArg>,
 ) -> NifResult<Vec<TensorArg>> {
     const OP: &str = "program_run";
-    let inputs = inputs.0;
-    if inputs.len() != program.n_inputs {
-        return Err(argument_error(format!(
-            "program_run: the program takes {} inputs, got {}",
-            program.n_inputs,
-            inputs.len()
-        )));
-    }
-    let worker = stream.get().ok_or_else(|| released_error(OP, &stream.name))?;
+    let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
     let mut ins = Inputs::default();
     for t in &inputs {
         ins.push(t, Some(&worker));
@@ -272,15 +283,7 @@ fn program_eval<'a>(
     inputs: List<TensorArg>,
 ) -> NifResult<Term<'a>> {
     const OP: &str = "program_eval";
-    let inputs = inputs.0;
-    if inputs.len() != program.n_inputs {
-        return Err(argument_error(format!(
-            "{OP}: the program takes {} inputs, got {}",
-            program.n_inputs,
-            inputs.len()
-        )));
-    }
-    let worker = stream.get().ok_or_else(|| released_error(OP, &stream.name))?;
+    let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
     let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
     let Some(evaluated) = evaluated.filter(|_| !program.compile) else {
         return Ok(crate::atoms::pending().encode(env));
