@@ -40,14 +40,12 @@ impl TensorResource {
         })
     }
 
-    /// A tensor of `worker` whose evaluated array `a` was computed elsewhere. The worker
-    /// gets its own reference (queued, so before any later op of it can name the tensor).
+    /// A tensor of `worker` whose evaluated array `a` was computed elsewhere. It is only
+    /// ever read through its evaluated slot (`Inputs::push`, `eval`, `to_binary`,
+    /// `describe`), so the worker's map need not hold it.
     pub fn from_evaluated(worker: &Arc<Worker>, a: cxx::UniquePtr<ffi::Array>) -> TensorArg {
         let t = Self::new(worker);
-        let id = t.id;
-        let shared = Arc::new(SendArray(a));
-        *t.evaluated.lock().unwrap() = Some(shared.clone());
-        worker.submit_lazy(Box::new(move |st: &mut State| st.put(id, Ok(ffi::clone_array(&shared.0)))));
+        *t.evaluated.lock().unwrap() = Some(Arc::new(SendArray(a)));
         t
     }
 
@@ -281,10 +279,7 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifR
     // Evaluated tensors need no worker: neither does a call with nothing else to wait on.
     let groups = by_worker(tensors.0.into_iter().filter(|t| t.evaluated().is_none()).collect());
     if groups.is_empty() {
-        // OwnedEnv cannot send from a scheduler thread: reply through the caller's env.
-        let msg = (reference, (crate::atoms::ok(), crate::atoms::ok())).encode(env);
-        let _ = env.send(&env.pid(), msg);
-        return Ok(reference);
+        return Ok(reply_now(env, reference, (crate::atoms::ok(), crate::atoms::ok()).encode(env)));
     }
     let reply = Reply::new(env, reference);
     let gather = Arc::new(Gather {
@@ -356,19 +351,34 @@ fn export_binary<'a>(env: Env<'a>, arr: Arc<SendArray>, worker: &Arc<Worker>) ->
 /// `describe(ref, tensor)`: replies `{ref, {:ok, {shape_tuple, dtype}}}` without evaluating.
 #[rustler::nif]
 fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
+    if let Some(a) = tensor.evaluated() {
+        let shape = described(env, ffi::array_shape(&a.0), ffi::array_dtype_val(&a.0));
+        return reply_now(env, reference, (crate::atoms::ok(), shape).encode(env));
+    }
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
     worker.submit(Box::new(move |st: &mut State| {
         let res = st.get(tensor.id, "describe").map(|a| (ffi::array_shape(a), ffi::array_dtype_val(a)));
         reply.send(|env| match res {
-            Ok((shape, val)) => {
-                let dims: Vec<Term> = shape.iter().map(|d| d.encode(env)).collect();
-                let dtype = DType::from_val(val).expect("MLX dtype");
-                (crate::atoms::ok(), (rustler::types::tuple::make_tuple(env, &dims), dtype)).encode(env)
-            }
+            Ok((shape, val)) => (crate::atoms::ok(), described(env, shape, val)).encode(env),
             Err(e) => (crate::atoms::error(), e.to_exception()).encode(env),
         });
     }));
+    reference
+}
+
+/// `{shape_tuple, dtype}`.
+fn described(env: Env, shape: Vec<i32>, dtype_val: u8) -> Term {
+    let dims: Vec<Term> = shape.iter().map(|d| d.encode(env)).collect();
+    let dtype = DType::from_val(dtype_val).expect("MLX dtype");
+    (rustler::types::tuple::make_tuple(env, &dims), dtype).encode(env)
+}
+
+/// Replies `{reference, result}` from the calling NIF itself, for a waiting call whose
+/// answer needs no worker. (OwnedEnv cannot send from a scheduler thread: the message
+/// goes through the caller's env.)
+fn reply_now<'a>(env: Env<'a>, reference: Term<'a>, result: Term<'a>) -> Term<'a> {
+    let _ = env.send(&env.pid(), (reference, result).encode(env));
     reference
 }
 

@@ -45,9 +45,9 @@ pub fn output_count(name: &str, n: i64) -> NifResult<usize> {
 
 /// A tensor input of a job, from the NIF (scheduler side) to the worker.
 pub(crate) enum Input {
-    /// A tensor held by the job's own worker.
+    /// A lazy tensor held by the job's own worker.
     Local(u64),
-    /// An evaluated tensor of another worker.
+    /// An evaluated tensor, of any worker.
     Shared(Arc<SendArray>),
     /// A lazy tensor of another worker, not yet asked for (see `Inputs::request`).
     Foreign(TensorArg),
@@ -62,11 +62,14 @@ pub(crate) struct Inputs(Vec<Input>);
 impl Inputs {
     /// Adds `t` as seen from a job of `worker` (`None`: a released stream, whose job is
     /// refused before anything is queued).
+    /// An evaluated tensor is passed by its evaluated array, whichever worker it belongs
+    /// to: an array evaluated outside any worker (`program_eval`) is not in its worker's
+    /// map.
     pub fn push(&mut self, t: &TensorArg, worker: Option<&Arc<Worker>>) {
-        let input = if worker.is_some_and(|w| Arc::ptr_eq(&t.worker, w)) {
-            Input::Local(t.id)
-        } else if let Some(a) = t.evaluated() {
+        let input = if let Some(a) = t.evaluated() {
             Input::Shared(a)
+        } else if worker.is_some_and(|w| Arc::ptr_eq(&t.worker, w)) {
+            Input::Local(t.id)
         } else {
             Input::Foreign(t.clone())
         };
