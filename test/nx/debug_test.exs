@@ -14,18 +14,22 @@ if Code.ensure_loaded?(Nx) do
       :ok
     end
 
-    # Without the flag: `fun`'s result is `clamped`. With it: `fun` raises Emily.Error
-    # for `op`, with `message`.
-    defp out_of_range(fun, op, clamped, message) do
-      if Emily.Debug.bounds_check?() do
+    # Without the flag: `fun`'s result is `value`. With it: `fun` raises Emily.Error for
+    # `op`, with `message`, naming the flag.
+    defp flagged(on?, flag, fun, op, value, message) do
+      if on? do
         e = assert_raise Emily.Error, fun
         assert e.op == op
         assert e.message =~ message
-        assert e.message =~ "(debug_bounds_check)"
+        assert e.message =~ "(#{flag})"
       else
-        assert Nx.to_list(fun.()) == clamped
+        assert Nx.to_list(fun.()) == value
       end
     end
+
+    # Out-of-range indices: clamped (reads) or dropped (writes) without the flag.
+    defp out_of_range(fun, op, clamped, message),
+      do: flagged(Emily.Debug.bounds_check?(), :debug_bounds_check, fun, op, clamped, message)
 
     test "Emily was compiled with the configured flags" do
       assert Emily.Debug.bounds_check?() ==
@@ -173,18 +177,10 @@ if Code.ensure_loaded?(Nx) do
       )
     end
 
-    # Without the flag: `fun`'s result is `value`. With it: `fun` itself raises (before
-    # anything reads the result) for `op`, with `message`.
-    defp nonfinite(fun, value, message, op \\ "dot") do
-      if Emily.Debug.detect_nan_inf?() do
-        e = assert_raise Emily.Error, fun
-        assert e.op == op
-        assert e.message =~ message
-        assert e.message =~ "(debug_detect_nan_inf)"
-      else
-        assert Nx.to_list(fun.()) == value
-      end
-    end
+    # A NaN or infinite result: with the flag, `fun` itself raises (before anything reads
+    # the result).
+    defp nonfinite(fun, value, message, op \\ "dot"),
+      do: flagged(Emily.Debug.detect_nan_inf?(), :debug_detect_nan_inf, fun, op, value, message)
 
     test "dot: an infinite or a NaN result" do
       a = Nx.tensor([[1.0e30, 1.0e30]])
