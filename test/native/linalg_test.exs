@@ -466,6 +466,29 @@ defmodule Emily.Native.LinalgTest do
       assert_close(ws, [{0.0, -1.0}, {0.0, 1.0}], 1.0e-6)
     end
 
+    test "eig of a matrix with a NaN or an infinity is NaN, each matrix of a batch alone" do
+      # Unguarded, MLX's eig wrote past its eigenvector buffer on such input, and the heap
+      # corruption surfaced later in some other free: many rounds give it the chance.
+      nan = {:nan, :nan}
+
+      for _ <- 1..200, type <- [{:f, 32}, {:f, 64}] do
+        a =
+          t(
+            [1.0, 2.0, 0.0, 3.0, :nan, 2.0, 3.0, 4.0, :infinity, 2.0, 3.0, :neg_infinity],
+            type,
+            {3, 2, 2}
+          )
+
+        [w, v] = N.eig(cpu(), a)
+        [good, with_nan, with_inf] = Enum.chunk_every(l(w), 2)
+        assert Enum.sort(good) == [{1.0, 0.0}, {3.0, 0.0}]
+        assert with_nan == [nan, nan] and with_inf == [nan, nan]
+        assert l(v) |> Enum.drop(4) == List.duplicate(nan, 8)
+      end
+
+      assert_alive(cpu())
+    end
+
     test "det and slogdet: small and LU paths" do
       assert_close(l(N.det(cpu(), t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2}))), [-2.0])
       # a row swap of diag(1, 2, 3, 4): det = -24

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "mlx/mlx.h"
 
@@ -40,6 +41,25 @@ inline mlx::core::array arange_checked(double start, double stop, double step, m
 inline mlx::core::array fft_checked(mlx::core::array out, const mlx::core::array& a, mlx::core::StreamOrDevice s) {
   if (a.size() == 0) return mlx::core::zeros(out.shape(), out.dtype(), s);
   return out;
+}
+
+// MLX's CPU eig of a real matrix (LAPACK geev) writes the eigenvectors by pairing each
+// eigenvalue that has a non-zero imaginary part with the next one, without checking that
+// there is a next one. When geev refuses its input (a NaN or an infinity makes it report
+// an illegal value) it leaves the eigenvalue buffer as it found it, and that loop can
+// write a row past the end of the eigenvector buffer: heap corruption found later, in
+// some other free. So a matrix with a non-finite entry is replaced by zeros before MLX
+// sees it, and its eigenvalues and eigenvectors are NaN (each matrix of a batch on its
+// own). Complex input takes another LAPACK path, without that loop. This needs no
+// evaluation, so it holds in compiled programs too.
+inline std::pair<mlx::core::array, mlx::core::array> eig_checked(const mlx::core::array& a,
+                                                                 mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::floating)) return mx::linalg::eig(a, s);
+  mx::array finite = mx::all(mx::isfinite(a, s), {-2, -1}, /*keepdims=*/true, s);
+  auto [values, vectors] = mx::linalg::eig(mx::where(finite, a, mx::zeros_like(a, s), s), s);
+  mx::array nan(mx::complex64_t(NAN, NAN));
+  return {mx::where(mx::squeeze(finite, -1, s), values, nan, s), mx::where(finite, vectors, nan, s)};
 }
 
 // An int argument MLX divides by (a group size, a bit width): zero would trap.
