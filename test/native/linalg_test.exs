@@ -427,6 +427,28 @@ defmodule Emily.Native.LinalgTest do
       assert l(piv) == [1, 1]
     end
 
+    test "lu_factor's LU feeds elementwise ops, its buffer reused by their results" do
+      # MLX's LU output recorded its size in bytes as elements: an op built on the lazy LU,
+      # reusing its buffer once the handle was released, wrote four times past its end
+      # (this crashed the VM).
+      n = 512
+      s = cpu()
+
+      for _ <- 1..5 do
+        ramp = N.reshape(s, N.arange(s, 0.0, n * n * 1.0, 1.0, {:f, 32}), {n, n})
+        a = N.add(s, N.eye(s, n, n, 0, {:f, 32}), N.multiply(s, ramp, t([1.0e-6])))
+        [lu, _pivots] = N.lu_factor(s, a)
+        y = N.exp(s, lu)
+        N.tensor_release(lu)
+        [lu_again, _] = N.lu_factor(s, a)
+        # Every 1009th entry, against Elixir's exp of the same factorization.
+        sample = &Enum.take_every(l(&1), 1009)
+        assert_close(sample.(y), Enum.map(sample.(lu_again), &:math.exp/1), 1.0e-5)
+      end
+
+      assert_alive(s)
+    end
+
     test "solve with a vector and a matrix right-hand side" do
       # [[3, 1], [1, 2]] x = [9, 8] -> x = [2, 3]
       a = t([3.0, 1.0, 1.0, 2.0], {:f, 32}, {2, 2})

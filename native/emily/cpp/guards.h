@@ -62,6 +62,17 @@ inline std::pair<mlx::core::array, mlx::core::array> eig_checked(const mlx::core
   return {mx::where(mx::squeeze(finite, -1, s), values, nan, s), mx::where(finite, vectors, nan, s)};
 }
 
+// MLX's CPU LU factorization (LUF) records its packed LU output's size in bytes where
+// MLX expects elements (MLX 0.32.4): an elementwise op on it then reads and writes
+// itemsize times too many elements, past the end of the buffer when it reuses that
+// buffer for its result. A row-major copy, which reads it by shape and strides, is what
+// leaves the op; MLX's own lu, det and slogdet consume it safely.
+inline std::pair<mlx::core::array, mlx::core::array> lu_factor_checked(const mlx::core::array& a,
+                                                                       mlx::core::StreamOrDevice s) {
+  auto [lu, pivots] = mlx::core::linalg::lu_factor(a, s);
+  return {mlx::core::contiguous(lu, /*allow_col_major=*/false, s), pivots};
+}
+
 // An int argument MLX divides by (a group size, a bit width): zero would trap.
 inline int positive(int64_t x, const char* name) {
   if (x <= 0 || x > INT32_MAX) {
