@@ -56,7 +56,11 @@ defmodule Emily.ReleaseTest do
 
   describe "Emily.Stream.set_spin/1" do
     test "sets the polling time, returns the previous one, and ops still work" do
-      assert Emily.Stream.set_spin(75) == 0
+      # At boot: config :emily, spin_us (:auto by default, which depends on the cores).
+      before = Emily.Stream.spin_us()
+      assert before == Emily.Stream.auto_spin_us()
+      assert Emily.Stream.set_spin(75) == before
+      assert Emily.Stream.spin_us() == 75
 
       try do
         x = t([1.0, 2.0], {:f, 32})
@@ -65,8 +69,16 @@ defmodule Emily.ReleaseTest do
         assert Emily.to_binary(N.negative(s(), x)) ==
                  <<-1.0::float-32-native, -2.0::float-32-native>>
       after
-        assert Emily.Stream.set_spin(0) == 75
+        assert Emily.Stream.set_spin(before) == 75
       end
+    end
+
+    test ":auto polls 50 us with 8 or more cores, and not below" do
+      assert Emily.Stream.auto_spin_us(2) == 0
+      assert Emily.Stream.auto_spin_us(7) == 0
+      assert Emily.Stream.auto_spin_us(8) == 50
+      assert Emily.Stream.auto_spin_us(128) == 50
+      assert Emily.Stream.auto_spin_us() in [0, 50]
     end
 
     test "refuses times outside 0..1_000_000 microseconds" do

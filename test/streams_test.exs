@@ -1,5 +1,6 @@
 defmodule Emily.StreamsTest do
   use Emily.TestCase, async: false
+  doctest Emily.Stream, only: [auto_spin_us: 1]
 
   defp on(stream, list), do: Emily.from_list(list, {:f, 32}, stream: stream)
 

@@ -30,6 +30,7 @@ defmodule Emily.Doctor do
 
     info("BLAS for MLX's CPU matmuls: #{blas()}")
     info("malloc for MLX's CPU buffers: #{malloc()}")
+    info("polling after waited-for work: #{Emily.Stream.spin_us()} us (config :emily, spin_us)")
 
     results = for device <- Emily.devices(), do: check(device, size)
 

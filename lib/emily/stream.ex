@@ -135,7 +135,8 @@ defmodule Emily.Stream do
   that a caller waited for (`Emily.eval/1`, `Emily.to_binary/1`, ...) before it sleeps,
   and how long a waiting process polls its mailbox before it blocks. Returns the
   previous value. Applies to every stream; `config :emily, spin_us: n` sets it at boot.
-  Default 0.
+  The default, `:auto`, is 50 on a machine with 8 or more logical processors available
+  and 0 below (`auto_spin_us/1`); `spin_us: 0` turns it off everywhere.
 
   Without polling, a small op's round trip is dominated by the OS waking the sleeping
   worker thread; polling trades a busy core for that latency. Lazy ops alone never
@@ -153,6 +154,34 @@ defmodule Emily.Stream do
     previous = Emily.Native.stream_set_spin(microseconds)
     :persistent_term.put({__MODULE__, :spin_us}, microseconds)
     previous
+  end
+
+  @doc "The polling time in force (`set_spin/1`), in microseconds."
+  @spec spin_us() :: non_neg_integer
+  def spin_us, do: :persistent_term.get({__MODULE__, :spin_us}, 0)
+
+  @doc """
+  The polling time `config :emily, spin_us: :auto` (the default) sets at boot, for a
+  machine with `cores` logical processors available (the VM's count when not given):
+  50 microseconds with 8 or more, where a core kept busy for that long after a waited-for
+  job is cheap beside the latency it saves (`set_spin/1`), and 0 below, where the poll
+  competes with the threads the caller waits on.
+
+      iex> Emily.Stream.auto_spin_us(16)
+      50
+      iex> Emily.Stream.auto_spin_us(2)
+      0
+  """
+  @spec auto_spin_us(pos_integer | nil) :: non_neg_integer
+  def auto_spin_us(cores \\ nil) do
+    cores =
+      cores ||
+        case :erlang.system_info(:logical_processors_available) do
+          :unknown -> :erlang.system_info(:schedulers_online)
+          n -> n
+        end
+
+    if cores >= 8, do: 50, else: 0
   end
 
   @doc "Whether `release/1` was called on `stream`."
@@ -198,7 +227,14 @@ defmodule Emily.Stream.Defaults do
     # Nx).
     :ets.new(Emily.Compiler.Cache, [:named_table, :public, :set, read_concurrency: true])
     Emily.Memory.apply_config()
-    Emily.Stream.set_spin(Application.get_env(:emily, :spin_us, 0))
+
+    Emily.Stream.set_spin(
+      case Application.get_env(:emily, :spin_us, :auto) do
+        :auto -> Emily.Stream.auto_spin_us()
+        us -> us
+      end
+    )
+
     {:ok, devices}
   end
 

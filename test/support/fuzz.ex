@@ -29,7 +29,7 @@ defmodule Emily.Fuzz do
     trace = opts[:trace] && File.open!(opts[:trace], [:write, :raw])
     previous_limit = Emily.Memory.set_memory_limit(@memory_limit)
     previous_cache = Emily.Memory.stats().cache_limit
-    previous_spin = :persistent_term.get({Emily.Stream, :spin_us}, 0)
+    previous_spin = Emily.Stream.spin_us()
     probes = :ets.new(:emily_fuzz_probes, [:bag, :public])
     Process.put(:emily_fuzz_probes, probes)
 
