@@ -5,31 +5,16 @@ defmodule Emily.ProgramEvalTest do
 
   alias Emily.Program
 
-  # exp(-sum((x * w + x)^2, axis 1) / 100), as in program_test.exs: by hand
-  # [0.434947, 0.375311].
-  @instrs [
-    {:multiply, [0, 1]},
-    {:add, [3, 0]},
-    {:square, [4]},
-    {:sum, [5, [1], false]},
-    {:multiply, [6, 2]},
-    {:exp, [7]}
-  ]
-  @expected [0.434947, 0.375311]
+  # Emily.SampleProgram (test/support): exp(-sum((x * w + x)^2, axis 1) / 100).
+  alias Emily.SampleProgram, as: Sample
 
-  defp inputs do
-    [
-      t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3}),
-      t([0.5, -1.0, 2.0, 1.0, 0.0, -0.5], {:f, 32}, {2, 3}),
-      t([-0.01], {:f, 32}, {})
-    ]
-  end
+  defp inputs, do: Sample.inputs()
 
   test "gives the hand-computed values and program_run's results, evaluated" do
     ins = inputs()
-    p = Program.new(@instrs, inputs: 3)
+    p = Program.new(Sample.instructions(), inputs: 3)
     [out] = Program.eval(p, ins)
-    assert_close(l(out), @expected)
+    assert_close(l(out), Sample.expected())
     assert l(out) == l(hd(Program.run(p, ins)))
     assert Emily.shape(out) == {2}
     assert N.tensor_on_stream(out, s())
@@ -91,11 +76,11 @@ defmodule Emily.ProgramEvalTest do
   test "a compiled program runs on the stream's worker, evaluated all the same" do
     ins = inputs()
     Emily.eval(ins)
-    p = Program.new(@instrs, inputs: 3, compile: true)
+    p = Program.new(Sample.instructions(), inputs: 3, compile: true)
     assert N.program_eval(s(), p, ins) == :pending
     [out] = Program.eval(p, ins)
     assert {:ok, _} = N.to_binary(make_ref(), out)
-    assert_close(l(out), @expected)
+    assert_close(l(out), Sample.expected())
   end
 
   test "MLX errors raise at the call, naming the instruction, shapes and dtypes" do
@@ -124,7 +109,7 @@ defmodule Emily.ProgramEvalTest do
   test "many processes at once, each on its own stream or all on one" do
     ins = inputs()
     Emily.eval(ins)
-    p = Program.new(@instrs, inputs: 3)
+    p = Program.new(Sample.instructions(), inputs: 3)
     shared = Emily.Stream.new(:cpu)
 
     results =
@@ -139,6 +124,6 @@ defmodule Emily.ProgramEvalTest do
       |> Enum.uniq()
 
     assert length(results) == 2
-    assert_close(results, @expected)
+    assert_close(results, Sample.expected())
   end
 end

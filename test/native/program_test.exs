@@ -3,27 +3,10 @@ defmodule Emily.ProgramTest do
 
   alias Emily.Program
 
-  # y = sum((x * w + x) ^ 2, axis 1), then exp(-y / 100): elementwise chains (fusable)
-  # around a reduction.
-  @instrs [
-    {:multiply, [0, 1]},
-    {:add, [2, 0]},
-    {:square, [3]},
-    {:sum, [4, [1], false]},
-    {:multiply, [5, 6]},
-    {:exp, [7]}
-  ]
+  # Emily.SampleProgram (test/support): exp(-sum((x * w + x)^2, axis 1) / 100).
+  alias Emily.SampleProgram, as: Sample
 
-  defp inputs do
-    x = t([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], {:f, 32}, {2, 3})
-    w = t([0.5, -1.0, 2.0, 1.0, 0.0, -0.5], {:f, 32}, {2, 3})
-    k = t([-0.01], {:f, 32}, {})
-    {x, w, k}
-  end
-
-  # By hand: x*w + x = [1.5, 0, 9 | 8, 5, 3]; squares [2.25, 0, 81 | 64, 25, 9];
-  # sums [83.25, 98]; exp(-0.8325) = 0.434947, exp(-0.98) = 0.375311.
-  @expected [0.434947, 0.375311]
+  defp inputs, do: List.to_tuple(Sample.inputs())
 
   defp by_ops({x, w, k}) do
     st = s()
@@ -31,31 +14,14 @@ defmodule Emily.ProgramTest do
     N.exp(st, N.multiply(st, y, k))
   end
 
-  defp program(opts) do
-    # Slots: 0 = x, 1 = w, 2..5 = the first four instructions, 6 = k (an input after
-    # them is not possible: inputs come first), so k is slot 2 and the rest shift.
-    Program.new(shift(@instrs), [inputs: 3] ++ opts)
-  end
-
-  defp shift(instrs) do
-    # Re-number for 3 inputs (x, w, k): instruction results start at slot 3.
-    [
-      {:multiply, [0, 1]},
-      {:add, [3, 0]},
-      {:square, [4]},
-      {:sum, [5, [1], false]},
-      {:multiply, [6, 2]},
-      {:exp, [7]}
-    ]
-    |> tap(fn v -> length(v) == length(instrs) || raise "shape of the test program" end)
-  end
+  defp program(opts), do: Program.new(Sample.instructions(), [inputs: 3] ++ opts)
 
   defp run(program, {x, w, k}, opts \\ []), do: Program.run(program, [x, w, k], opts)
 
   test "a program gives the op-by-op results (and the hand-computed values)" do
     ins = inputs()
     [out] = run(program([]), ins)
-    assert_close(l(out), @expected, 1.0e-5)
+    assert_close(l(out), Sample.expected(), 1.0e-5)
     assert l(out) == l(by_ops(ins))
     assert Emily.shape(out) == {2}
   end
@@ -75,7 +41,7 @@ defmodule Emily.ProgramTest do
     w = t([1.0, 1.0], {:f, 32}, {1, 2})
     # (1*1+1)^2 + (2*1+2)^2 = 4 + 16 = 20; exp(-0.2) = 0.818731.
     assert_close(l(hd(Program.run(compiled, [x, w, k]))), [0.818731])
-    assert_close(l(hd(run(compiled, inputs()))), @expected)
+    assert_close(l(hd(run(compiled, inputs()))), Sample.expected())
   end
 
   test "compiled programs fuse on the CPU: MLX's compiler runs inside the VM" do
