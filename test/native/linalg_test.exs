@@ -488,15 +488,18 @@ defmodule Emily.Native.LinalgTest do
       assert_close(ws, [{0.0, -1.0}, {0.0, 1.0}], 1.0e-6)
     end
 
-    test "eig of a matrix with a NaN or an infinity is NaN, each matrix of a batch alone" do
-      # Unguarded, MLX's eig wrote past its eigenvector buffer on such input, and the heap
-      # corruption surfaced later in some other free: many rounds give it the chance.
+    test "eig and eigvals of a matrix with a NaN or an infinity are NaN, each matrix alone" do
+      # Unguarded, LAPACK's geev ran on bounds its balancing step never set, and MLX's eig
+      # wrote past its eigenvector buffer: heap corruption that surfaced later, in some
+      # other free (eigvals of an all-infinite 3x3 did it every time). Many rounds give it
+      # the chance.
       nan = {:nan, :nan}
+      inf = :infinity
 
-      for _ <- 1..200, type <- [{:f, 32}, {:f, 64}] do
+      for _ <- 1..100, type <- [{:f, 32}, {:f, 64}] do
         a =
           t(
-            [1.0, 2.0, 0.0, 3.0, :nan, 2.0, 3.0, 4.0, :infinity, 2.0, 3.0, :neg_infinity],
+            [1.0, 2.0, 0.0, 3.0, :nan, 2.0, 3.0, 4.0, inf, 2.0, 3.0, :neg_infinity],
             type,
             {3, 2, 2}
           )
@@ -506,8 +509,16 @@ defmodule Emily.Native.LinalgTest do
         assert Enum.sort(good) == [{1.0, 0.0}, {3.0, 0.0}]
         assert with_nan == [nan, nan] and with_inf == [nan, nan]
         assert l(v) |> Enum.drop(4) == List.duplicate(nan, 8)
+        assert l(N.eigvals(cpu(), a)) |> Enum.drop(2) == List.duplicate(nan, 4)
+
+        all_inf = t(List.duplicate(inf, 9), type, {3, 3})
+        assert l(N.eigvals(cpu(), all_inf)) == List.duplicate(nan, 3)
+        assert l(hd(N.eig(cpu(), all_inf))) == List.duplicate(nan, 3)
       end
 
+      # complex64 input: a NaN in either part.
+      c = t([{1.0, 0.0}, {:nan, 0.0}, {0.0, 0.0}, {2.0, inf}], {:c, 64}, {1, 2, 2})
+      assert l(N.eigvals(cpu(), c)) == [nan, nan]
       assert_alive(cpu())
     end
 

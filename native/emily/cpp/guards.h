@@ -43,23 +43,45 @@ inline mlx::core::array fft_checked(mlx::core::array out, const mlx::core::array
   return out;
 }
 
-// MLX's CPU eig of a real matrix (LAPACK geev) writes the eigenvectors by pairing each
-// eigenvalue that has a non-zero imaginary part with the next one, without checking that
-// there is a next one. When geev refuses its input (a NaN or an infinity makes it report
-// an illegal value) it leaves the eigenvalue buffer as it found it, and that loop can
-// write a row past the end of the eigenvector buffer: heap corruption found later, in
-// some other free. So a matrix with a non-finite entry is replaced by zeros before MLX
-// sees it, and its eigenvalues and eigenvectors are NaN (each matrix of a batch on its
-// own). Complex input takes another LAPACK path, without that loop. This needs no
-// evaluation, so it holds in compiled programs too.
+// Whether each matrix (the last two axes) of `a` has only finite entries (keepdims).
+inline mlx::core::array finite_matrices(const mlx::core::array& a, mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  mx::array ok = mx::issubdtype(a.dtype(), mx::complexfloating)
+                     ? mx::logical_and(mx::isfinite(mx::real(a, s), s), mx::isfinite(mx::imag(a, s), s), s)
+                     : mx::isfinite(a, s);
+  return mx::all(ok, {-2, -1}, /*keepdims=*/true, s);
+}
+
+// LAPACK's geev, behind MLX's CPU eig and eigvals, does not survive a NaN or an
+// infinity: its balancing step refuses the matrix, and the steps after it run on bounds
+// that were never set (OpenBLAS prints "illegal value" for them). eigvals of an all-
+// infinite 3x3 then corrupted the heap, and MLX's eig, which pairs each eigenvalue with a
+// non-zero imaginary part with the next one when it writes the eigenvectors, wrote past
+// its eigenvector buffer on what geev left. So a matrix with a non-finite entry is
+// replaced by zeros before MLX sees it, and its eigenvalues (and eigenvectors) are NaN,
+// each matrix of a batch on its own. This needs no evaluation, so it holds in compiled
+// programs too. (MLX's own argument checks still see the input as given.)
+inline mlx::core::array nan_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& x,
+                                            mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  return mx::where(finite, x, mx::array(mx::complex64_t(NAN, NAN)), s);
+}
+
 inline std::pair<mlx::core::array, mlx::core::array> eig_checked(const mlx::core::array& a,
                                                                  mlx::core::StreamOrDevice s) {
   namespace mx = mlx::core;
-  if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::floating)) return mx::linalg::eig(a, s);
-  mx::array finite = mx::all(mx::isfinite(a, s), {-2, -1}, /*keepdims=*/true, s);
+  if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::eig(a, s);
+  mx::array finite = finite_matrices(a, s);
   auto [values, vectors] = mx::linalg::eig(mx::where(finite, a, mx::zeros_like(a, s), s), s);
-  mx::array nan(mx::complex64_t(NAN, NAN));
-  return {mx::where(mx::squeeze(finite, -1, s), values, nan, s), mx::where(finite, vectors, nan, s)};
+  return {nan_where_nonfinite(mx::squeeze(finite, -1, s), values, s), nan_where_nonfinite(finite, vectors, s)};
+}
+
+inline mlx::core::array eigvals_checked(const mlx::core::array& a, mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::eigvals(a, s);
+  mx::array finite = finite_matrices(a, s);
+  mx::array values = mx::linalg::eigvals(mx::where(finite, a, mx::zeros_like(a, s), s), s);
+  return nan_where_nonfinite(mx::squeeze(finite, -1, s), values, s);
 }
 
 // MLX's CPU LU factorization (LUF) records its packed LU output's size in bytes where
