@@ -86,7 +86,7 @@ defmodule Emily.Fuzz do
     stats = Map.update(stats, :called, MapSet.new([name]), &MapSet.put(&1, name))
 
     try do
-      result = apply(N, name, args)
+      result = apply(N, name, args) |> chain(args)
       {remember(st, result), %{stats | ok: stats.ok + 1}}
     rescue
       e ->
@@ -97,6 +97,34 @@ defmodule Emily.Fuzz do
         {st, %{stats | raised: Map.update(stats.raised, e.__struct__, 1, &(&1 + 1))}}
     end
   end
+
+  # Most tensor results get an elementwise op built on them while they are still lazy,
+  # and are then released: MLX may reuse a released input's buffer for the op's result,
+  # which is where an output that misstates its own size writes past its buffer (MLX's
+  # LU did; see guards.h).
+  defp chain(result, [stream | _]) do
+    outs = List.wrap(result)
+
+    if outs != [] and Enum.all?(outs, &(is_reference(&1) and tensor?(&1))) and
+         :rand.uniform() < 0.7 do
+      chained =
+        Enum.map(outs, fn out ->
+          op = Enum.random([:exp, :negative, :abs, :square])
+          y = apply(N, op, [stream, out])
+          y = if :rand.uniform() < 0.5, do: N.add(stream, y, out), else: y
+          N.tensor_release(out)
+          y
+        end)
+
+      if is_list(result), do: chained, else: hd(chained)
+    else
+      result
+    end
+  rescue
+    _ in @expected -> result
+  end
+
+  defp chain(result, _args), do: result
 
   # The arguments as the trace shows them: with `eval_each`, tensors by shape and dtype.
   defp traced(args, opts) do
@@ -182,6 +210,12 @@ defmodule Emily.Fuzz do
       Emily.from_list([], {:f, 32}, stream: a, shape: {0, 3}),
       Emily.from_list([1.0, :nan, :infinity], {:f, 64}, stream: a),
       Emily.from_list([{1.0, 2.0}], {:c, 64}, stream: b),
+      # Matrices and batches, so that linear algebra and the like get past their checks.
+      Emily.from_list(Enum.map(1..9, &(&1 * 0.37 + 1.0)), {:f, 32}, stream: a, shape: {3, 3}),
+      Emily.from_list(Enum.map(1..16, &(:math.sin(&1) + 2.0)), {:f, 32}, stream: b, shape: {4, 4}),
+      Emily.from_list(Enum.map(1..24, &(&1 * 0.1)), {:f, 32}, stream: a, shape: {2, 3, 4}),
+      Emily.from_list(Enum.map(1..8, &(&1 * 1.0)), {:f, 64}, stream: a, shape: {2, 2, 2}),
+      Emily.from_list(Enum.to_list(1..6), {:s, 32}, stream: b, shape: {2, 3}),
       N.add(
         a,
         Emily.from_list([1.0], {:f, 32}, stream: a),
