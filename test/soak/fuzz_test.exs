@@ -1,7 +1,9 @@
 defmodule Emily.Soak.FuzzTest do
   # Every Emily.Native function (from Emily.Native.__info__(:functions)) called with
   # random and malformed terms: wrong term types, negative and huge shapes, mismatched
-  # dtypes, released streams, resources of the wrong kind. 10,000 calls (100,000 with
+  # dtypes, released streams, resources of the wrong kind; and elementwise ops built on
+  # lazy results that are then released, so that MLX reuses their buffers (where a result
+  # that misstates its size writes past its end). 10,000 calls (100,000 with
   # EMILY_SOAK_SCALE=10): the VM survives, every failure is an ArgumentError or an
   # Emily.Error raised in the calling process, and every reply is well-formed.
   use Emily.TestCase, async: false
