@@ -31,6 +31,19 @@ defmodule Emily.GuardsTest do
     end
 
     assert l(N.slice(s(), x, [2], [-4], [-1])) == [3.0, 2.0, 1.0]
+
+    # slice_update sizes its slice the same way (found by the fuzzer on a GPU build).
+    assert_raise Emily.Error, ~r/strides must be non-zero/, fn ->
+      l(
+        N.slice_update(s(), t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2}), t([9.0]), [0, 0], [1, 1], [
+          1,
+          0
+        ])
+      )
+    end
+
+    assert l(N.slice_update(s(), x, t([9.0, 8.0]), [0], [3], [2])) == [9.0, 2.0, 8.0]
+    assert l(N.add(s(), x, x)) == [2.0, 4.0, 6.0]
   end
 
   test "ints arguments outside 32 bits are refused, not wrapped" do
