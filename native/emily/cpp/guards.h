@@ -52,6 +52,13 @@ inline mlx::core::array finite_matrices(const mlx::core::array& a, mlx::core::St
   return mx::all(ok, {-2, -1}, /*keepdims=*/true, s);
 }
 
+// `x` where `finite`, else a complex NaN.
+inline mlx::core::array nan_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& x,
+                                            mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  return mx::where(finite, x, mx::array(mx::complex64_t(NAN, NAN)), s);
+}
+
 // LAPACK's geev, behind MLX's CPU eig and eigvals, does not survive a NaN or an
 // infinity: its balancing step refuses the matrix, and the steps after it run on bounds
 // that were never set (OpenBLAS prints "illegal value" for them). eigvals of an all-
@@ -60,13 +67,7 @@ inline mlx::core::array finite_matrices(const mlx::core::array& a, mlx::core::St
 // its eigenvector buffer on what geev left. So a matrix with a non-finite entry is
 // replaced by zeros before MLX sees it, and its eigenvalues (and eigenvectors) are NaN,
 // each matrix of a batch on its own. This needs no evaluation, so it holds in compiled
-// programs too. (MLX's own argument checks still see the input as given.)
-inline mlx::core::array nan_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& x,
-                                            mlx::core::StreamOrDevice s) {
-  namespace mx = mlx::core;
-  return mx::where(finite, x, mx::array(mx::complex64_t(NAN, NAN)), s);
-}
-
+// programs too; MLX's own checks still see the input's shape and dtype.
 inline std::pair<mlx::core::array, mlx::core::array> eig_checked(const mlx::core::array& a,
                                                                  mlx::core::StreamOrDevice s) {
   namespace mx = mlx::core;
