@@ -69,15 +69,7 @@ std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec
   Stream s = mx::default_stream(device == 1 ? mx::Device::gpu : mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
   out->items = replay(p, inputs.items, s);
-  mx::eval(out->items);
-  bool strided = false;
-  for (auto& a : out->items) {
-    if (!a.flags().row_contiguous) {
-      a = mx::contiguous(a, false, s);
-      strided = true;
-    }
-  }
-  if (strided) mx::eval(out->items);
+  evaluate_row_contiguous(out->items, s);
   return out;
 }
 

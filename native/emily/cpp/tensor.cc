@@ -27,14 +27,22 @@ std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<arr
 void eval_arrays(const ArrayVec& v) { mx::eval(v.items); }
 void eval_array(const array& a) { mx::eval({a}); }
 
-std::unique_ptr<array> export_array(const array& a, const Stream& s) {
-  array out = a;
-  mx::eval({out});
-  if (!out.flags().row_contiguous) {
-    out = mx::contiguous(out, false, s);
-    mx::eval({out});
+void evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
+  mx::eval(arrays);
+  bool strided = false;
+  for (auto& a : arrays) {
+    if (!a.flags().row_contiguous) {
+      a = mx::contiguous(a, false, s);
+      strided = true;
+    }
   }
-  return std::make_unique<array>(std::move(out));
+  if (strided) mx::eval(arrays);
+}
+
+std::unique_ptr<array> export_array(const array& a, const Stream& s) {
+  std::vector<array> out{a};
+  evaluate_row_contiguous(out, s);
+  return std::make_unique<array>(std::move(out[0]));
 }
 
 const uint8_t* array_data(const array& a) { return a.data<uint8_t>(); }
