@@ -451,15 +451,7 @@ if Code.ensure_loaded?(Nx) do
             []
 
           sinks ->
-            sinks = tensor!(sinks, name)
-
-            if sinks.shape != {nq} do
-              raise ArgumentError,
-                    "#{name}: expected sinks of shape #{inspect({nq})} (one per query head), " <>
-                      "got #{inspect(sinks.shape)}"
-            end
-
-            [sinks]
+            [vector!(sinks, nq, name, "sinks", "one per query head")]
         end
 
       struct = %ScaledDotProductAttention{scale: scale, mask: mask, sinks?: sinks_args != []}
@@ -643,16 +635,21 @@ if Code.ensure_loaded?(Nx) do
       last = elem(x.shape, tuple_size(x.shape) - 1)
 
       for {v, label} <- Enum.zip(vectors, labels), v != nil do
-        v = tensor!(v, name)
-
-        if v.shape != {last} do
-          raise ArgumentError,
-                "#{name}: expected #{label} of shape #{inspect({last})} (the last " <>
-                  "dimension of #{inspect(x.shape)}), got #{inspect(v.shape)}"
-        end
-
-        v
+        vector!(v, last, name, label, "the last dimension of #{inspect(x.shape)}")
       end
+    end
+
+    # `v` as a tensor of shape `{size}`; `why` says where the size comes from.
+    defp vector!(v, size, name, label, why) do
+      v = tensor!(v, name)
+
+      if v.shape != {size} do
+        raise ArgumentError,
+              "#{name}: expected #{label} of shape #{inspect({size})} (#{why}), " <>
+                "got #{inspect(v.shape)}"
+      end
+
+      v
     end
 
     defp float!(n, _opt) when is_number(n), do: n * 1.0
