@@ -416,7 +416,7 @@ if Code.ensure_loaded?(Nx) do
     # non-finite values (read and reported by the compiler after the run). Each checked
     # slot is counted once, however often the graph uses it.
     defp checked(st, op, slot, %T{type: {kind, _}} = t) do
-      if Emily.Debug.checks_finite?(op) and kind in [:f, :bf, :c] do
+      if kind in [:f, :bf, :c] and Emily.Debug.checks_finite?(op) do
         {count, st} = emit(st, :debug_count_nonfinite, [slot])
 
         if Enum.any?(st.checks, &(elem(&1, 0) == count)),
