@@ -191,7 +191,7 @@ defmodule Emily do
   # while first: a process that blocks in `receive` lets its scheduler thread sleep, and
   # waking it costs the OS several microseconds, which is most of a small op's round trip.
   defp await(ref) do
-    case :persistent_term.get({Emily.Stream, :spin_us}, 0) do
+    case Emily.Stream.spin_us() do
       0 -> receive do: ({^ref, result} -> unwrap!(result))
       us -> poll(ref, System.monotonic_time(:microsecond) + us)
     end
