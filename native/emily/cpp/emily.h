@@ -19,7 +19,7 @@ struct ArrayVec {
   std::vector<array> items;
 };
 
-std::unique_ptr<ArrayVec> array_vec_new();
+std::unique_ptr<ArrayVec> array_vec_new(size_t capacity);
 void array_vec_push(ArrayVec& v, const array& a);
 size_t array_vec_len(const ArrayVec& v);
 std::unique_ptr<array> array_vec_take(ArrayVec& v, size_t i);

@@ -6,7 +6,11 @@
 namespace emily {
 namespace mx = mlx::core;
 
-std::unique_ptr<ArrayVec> array_vec_new() { return std::make_unique<ArrayVec>(); }
+std::unique_ptr<ArrayVec> array_vec_new(size_t capacity) {
+  auto v = std::make_unique<ArrayVec>();
+  v->items.reserve(capacity);
+  return v;
+}
 void array_vec_push(ArrayVec& v, const array& a) { v.items.push_back(a); }
 size_t array_vec_len(const ArrayVec& v) { return v.items.size(); }
 std::unique_ptr<array> array_vec_take(ArrayVec& v, size_t i) {

@@ -18,7 +18,7 @@ pub mod ffi {
         type Stream;
         type ArrayVec;
 
-        fn array_vec_new() -> UniquePtr<ArrayVec>;
+        fn array_vec_new(capacity: usize) -> UniquePtr<ArrayVec>;
         fn array_vec_push(v: Pin<&mut ArrayVec>, a: &Array);
         fn array_vec_len(v: &ArrayVec) -> usize;
         fn array_vec_take(v: Pin<&mut ArrayVec>, i: usize) -> Result<UniquePtr<Array>>;
@@ -87,6 +87,15 @@ pub mod ffi {
             s: &Stream,
         ) -> Result<UniquePtr<ArrayVec>>;
     }
+}
+
+/// An `ArrayVec` of `arrays`, sized up front (pushing an MLX array copies a handle, not data).
+pub fn array_vec<'a>(arrays: impl ExactSizeIterator<Item = &'a ffi::Array>) -> cxx::UniquePtr<ffi::ArrayVec> {
+    let mut v = ffi::array_vec_new(arrays.len());
+    for a in arrays {
+        ffi::array_vec_push(v.pin_mut(), a);
+    }
+    v
 }
 
 fn quiesce_workers() {

@@ -13,6 +13,7 @@ pub mod bridge;
 pub mod dtype;
 pub mod error;
 pub mod ops;
+pub mod queue;
 pub mod stream;
 pub mod tensor;
 pub mod term;

@@ -9,9 +9,10 @@ use crate::dtype::DType;
 use crate::error::{argument_error, Error};
 use crate::stream::StreamArg;
 use crate::term::{List, Shape};
-use crate::worker::{next_id, State, Worker};
+use crate::worker::{next_id, next_ids, State, Worker};
 use rustler::env::SavedTerm;
 use rustler::{Binary, Encoder, Env, LocalPid, NifResult, OwnedEnv, Resource, ResourceArc, Term};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
@@ -19,6 +20,9 @@ use std::sync::{Arc, Mutex};
 pub struct TensorResource {
     pub id: u64,
     pub worker: Arc<Worker>,
+    /// Whether the worker's map holds the array under `id` (every tensor but those whose
+    /// value was computed off the worker, `from_evaluated`).
+    pub held: bool,
     /// The evaluated array, once some eval/to_binary has produced it (`None` again once
     /// the tensor is released).
     evaluated: Mutex<Option<Arc<SendArray>>>,
@@ -32,10 +36,21 @@ pub type TensorArg = ResourceArc<TensorResource>;
 
 impl TensorResource {
     pub fn new(worker: &Arc<Worker>) -> TensorArg {
+        Self::with(worker, next_id(), true, None)
+    }
+
+    /// `n` tensors of `worker` for a job's outputs, and their ids.
+    pub fn outputs(worker: &Arc<Worker>, n: usize) -> (Vec<TensorArg>, Range<u64>) {
+        let ids = next_ids(n);
+        (ids.clone().map(|id| Self::with(worker, id, true, None)).collect(), ids)
+    }
+
+    fn with(worker: &Arc<Worker>, id: u64, held: bool, evaluated: Option<Arc<SendArray>>) -> TensorArg {
         ResourceArc::new(TensorResource {
-            id: next_id(),
+            id,
             worker: worker.clone(),
-            evaluated: Mutex::new(None),
+            held,
+            evaluated: Mutex::new(evaluated),
             released: AtomicBool::new(false),
         })
     }
@@ -44,9 +59,7 @@ impl TensorResource {
     /// ever read through its evaluated slot (`Inputs::push`, `eval`, `to_binary`,
     /// `describe`), so the worker's map need not hold it.
     pub fn from_evaluated(worker: &Arc<Worker>, a: cxx::UniquePtr<ffi::Array>) -> TensorArg {
-        let t = Self::new(worker);
-        *t.evaluated.lock().unwrap() = Some(Arc::new(SendArray(a)));
-        t
+        Self::with(worker, next_id(), false, Some(Arc::new(SendArray(a))))
     }
 
     /// The evaluated array, if some eval/to_binary has produced it.
@@ -232,10 +245,8 @@ fn eval_group(st: &mut State, tensors: &[TensorArg]) -> Result<(), Error> {
     if pending.is_empty() {
         return Ok(());
     }
-    let mut v = ffi::array_vec_new();
-    for t in &pending {
-        ffi::array_vec_push(v.pin_mut(), st.get(t.id, "eval")?);
-    }
+    let arrays = pending.iter().map(|t| st.get(t.id, "eval")).collect::<Result<Vec<_>, _>>()?;
+    let v = crate::bridge::array_vec(arrays.into_iter());
     ffi::eval_arrays(&v).map_err(|e| Error::Mlx {
         op: "eval".into(),
         message: e.what().into(),
@@ -301,7 +312,7 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifR
 fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
     for (worker, group) in by_worker(tensors.0) {
         worker.submit(Box::new(move |st: &mut State| {
-            let mut v = ffi::array_vec_new();
+            let mut v = ffi::array_vec_new(group.len());
             for t in group.iter().filter(|t| t.evaluated().is_none()) {
                 // A failed input reports its error at the next waiting call.
                 if let Ok(a) = st.get(t.id, "async_eval") {

@@ -44,11 +44,14 @@
 //! (J is the earliest waiting job), so C finishes and the export runs.
 use crate::bridge::ffi;
 use crate::error::Error;
+use crate::queue::Queue;
 use cxx::UniquePtr;
 use std::collections::HashMap;
+use std::collections::VecDeque;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, AtomicBool, AtomicUsize};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::Thread;
 
@@ -58,13 +61,40 @@ pub enum Device {
     Gpu = 1,
 }
 
+/// Hashes an id (tensor and program ids are unique counters) by one multiplication: a
+/// worker looks up, inserts and removes a few per op, and the default SipHash cost as much
+/// as a good part of building the op's node.
+#[derive(Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0 ^ b as u64);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        // Odd, so distinct ids keep distinct low bits (the bucket); the high bits (the
+        // table's tag) mix all of the id's.
+        self.0 = id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by id.
+pub type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+
 /// What a job sees: the worker's stream and the arrays it holds.
 pub struct State {
     pub stream: UniquePtr<ffi::Stream>,
-    pub arrays: HashMap<u64, Slot>,
+    pub arrays: IdMap<Slot>,
     /// Programs compiled with `mx::compile` on this worker, by program id (never reused).
     /// MLX's compile cache is thread-local: they are built, called and dropped here only.
-    pub compiled: HashMap<u64, UniquePtr<ffi::Compiled>>,
+    pub compiled: IdMap<UniquePtr<ffi::Compiled>>,
 }
 
 /// A tensor's value on its worker: the (possibly lazy) array, or why it has none.
@@ -108,17 +138,40 @@ const LAZY_BATCH: usize = 32;
 /// Lazy ops are queued without waking a sleeping worker: it builds their nodes when
 /// something needs a value, or when `LAZY_BATCH` are pending. Waking a thread for each op
 /// would cost a context switch per op, and on a busy machine every woken worker competes
-/// with the BEAM's scheduler threads for a core. Sending is lock-free, so a scheduler
-/// never waits for a worker that the OS has descheduled.
+/// with the BEAM's scheduler threads for a core. Queueing is lock-free (`queue.rs`), so a
+/// scheduler never waits for a worker that the OS has descheduled.
 struct Session {
-    rx: Receiver<Queued>,
+    queue: Arc<Queue<Queued>>,
+    /// Jobs taken from the queue, not run yet, oldest first.
+    taken: VecDeque<Queued>,
     sleeping: Arc<AtomicBool>,
+}
+
+impl Session {
+    /// The oldest job not yet run, if any has been queued.
+    fn try_next(&mut self) -> Option<Queued> {
+        if self.taken.is_empty() {
+            self.queue.take_into(&mut self.taken);
+        }
+        self.taken.pop_front()
+    }
+
+    /// Whether the session is over: its worker handle is gone and every job it queued has
+    /// been taken. (Call it after `try_next` found nothing: the close comes after the last
+    /// push, so a queue seen closed is taken once more.)
+    fn is_over(&mut self) -> bool {
+        if !self.queue.is_closed() {
+            return false;
+        }
+        self.queue.take_into(&mut self.taken);
+        self.taken.is_empty()
+    }
 }
 
 /// An Emily stream's handle on the thread that serves it. Dropping the last one ends the
 /// thread's session (see the module doc).
 pub struct Worker {
-    tx: Option<Sender<Queued>>,
+    queue: Arc<Queue<Queued>>,
     thread: Thread,
     sleeping: Arc<AtomicBool>,
     lazy: AtomicUsize,
@@ -132,7 +185,13 @@ static NEXT_THREAD: AtomicU64 = AtomicU64::new(1);
 
 /// A fresh tensor id; ids are never reused.
 pub fn next_id() -> u64 {
-    NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed)
+    next_ids(1).start
+}
+
+/// `n` consecutive fresh ids (a job then names its outputs by a range, not a list).
+pub fn next_ids(n: usize) -> std::ops::Range<u64> {
+    let first = NEXT_TENSOR_ID.fetch_add(n as u64, Ordering::Relaxed);
+    first..first + n as u64
 }
 
 /// An idle worker thread, waiting for its next session's queue.
@@ -224,12 +283,12 @@ impl Worker {
     /// thread with a new MLX stream. Starting a thread blocks until its stream exists
     /// (call it from a dirty scheduler).
     pub fn spawn(device: Device) -> Result<Arc<Worker>, String> {
-        let (tx, rx) = mpsc::channel::<Queued>();
+        let queue = Arc::new(Queue::default());
         let sleeping = Arc::new(AtomicBool::new(false));
         let name = format!("emily-{}-{}", device_name(device), NEXT_STREAM.fetch_add(1, Ordering::Relaxed));
-        let worker = |tx, thread| {
+        let worker = |thread| {
             Arc::new(Worker {
-                tx: Some(tx),
+                queue: queue.clone(),
                 thread,
                 sleeping: sleeping.clone(),
                 lazy: AtomicUsize::new(0),
@@ -237,7 +296,8 @@ impl Worker {
                 name: name.clone(),
             })
         };
-        let mut session = Session { rx, sleeping: sleeping.clone() };
+        let mut session =
+            Session { queue: queue.clone(), taken: VecDeque::new(), sleeping: sleeping.clone() };
         loop {
             let reuse = {
                 let mut idle = idle().lock().unwrap();
@@ -245,7 +305,7 @@ impl Worker {
             };
             let Some(idle) = reuse else { break };
             match idle.handoff.send(session) {
-                Ok(()) => return Ok(worker(tx, idle.thread)),
+                Ok(()) => return Ok(worker(idle.thread)),
                 // That thread is gone (it cannot be while the VM runs); try another.
                 Err(mpsc::SendError(back)) => session = back,
             }
@@ -260,7 +320,7 @@ impl Worker {
         match ready_rx.recv() {
             Ok(Ok(())) => {
                 THREADS[device as usize].fetch_add(1, Ordering::Relaxed);
-                Ok(worker(tx, handle.thread().clone()))
+                Ok(worker(handle.thread().clone()))
             }
             Ok(Err(e)) => Err(e),
             Err(_) => Err("worker thread died while starting".into()),
@@ -280,10 +340,7 @@ impl Worker {
     }
 
     fn push(&self, job: Job, lazy: bool) {
-        let Some(tx) = &self.tx else { return };
-        if tx.send(Queued { job, waited: !lazy }).is_err() {
-            return;
-        }
+        self.queue.push(Queued { job, waited: !lazy });
         if lazy && !(self.lazy.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(LAZY_BATCH) {
             return;
         }
@@ -299,7 +356,7 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         // Ends the session once the thread has run what is queued; nothing waits here.
-        self.tx.take();
+        self.queue.close();
         self.thread.unpark();
     }
 }
@@ -326,14 +383,18 @@ pub fn spin() -> std::time::Duration {
     std::time::Duration::from_nanos(SPIN_NS.load(Ordering::Relaxed))
 }
 
-/// Polls the queue until `deadline`; `None` if nothing came in by then.
-fn poll(session: &Session, deadline: std::time::Instant) -> Option<Result<Queued, TryRecvError>> {
+/// Polls the queue until `deadline`; `None` if nothing came in by then (or the session
+/// ended).
+fn poll(session: &mut Session, deadline: std::time::Instant) -> Option<Queued> {
     loop {
         for _ in 0..64 {
-            match session.rx.try_recv() {
-                Err(TryRecvError::Empty) => std::hint::spin_loop(),
-                other => return Some(other),
+            if !session.queue.is_empty() {
+                return session.try_next();
             }
+            if session.queue.is_closed() {
+                return None;
+            }
+            std::hint::spin_loop();
         }
         if std::time::Instant::now() >= deadline {
             return None;
@@ -343,33 +404,24 @@ fn poll(session: &Session, deadline: std::time::Instant) -> Option<Result<Queued
 
 /// The session's next job, sleeping while there is none; `None` once it is over. Polls
 /// first while `window` (the polling window after a waited-for job) is open.
-fn next_job(session: &Session, window: Option<std::time::Instant>) -> Option<Queued> {
+fn next_job(session: &mut Session, window: Option<std::time::Instant>) -> Option<Queued> {
     loop {
-        match session.rx.try_recv() {
-            Ok(job) => return Some(job),
-            Err(TryRecvError::Disconnected) => return None,
-            Err(TryRecvError::Empty) => {}
+        if let Some(job) = session.try_next() {
+            return Some(job);
+        }
+        if session.is_over() {
+            return None;
         }
         if let Some(deadline) = window.filter(|&d| std::time::Instant::now() < d) {
-            match poll(session, deadline) {
-                Some(Ok(job)) => return Some(job),
-                Some(Err(_)) => return None,
-                None => {}
+            if let Some(job) = poll(session, deadline) {
+                return Some(job);
             }
         }
         session.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
-        match session.rx.try_recv() {
-            Ok(job) => {
-                session.sleeping.store(false, Ordering::SeqCst);
-                return Some(job);
-            }
-            Err(TryRecvError::Disconnected) => {
-                session.sleeping.store(false, Ordering::SeqCst);
-                return None;
-            }
-            // Woken by a job that needs running, by the session's end, or spuriously.
-            Err(TryRecvError::Empty) => std::thread::park(),
+        // Woken by a job that needs running, by the session's end, or spuriously.
+        if session.queue.is_empty() && !session.queue.is_closed() {
+            std::thread::park();
         }
         session.sleeping.store(false, Ordering::SeqCst);
     }
@@ -399,11 +451,11 @@ fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
             return;
         }
     };
-    let mut state = State { stream, arrays: HashMap::new(), compiled: HashMap::new() };
+    let mut state = State { stream, arrays: IdMap::default(), compiled: IdMap::default() };
     let mut session = first;
     loop {
         let mut window = None;
-        while let Some(Queued { job, waited }) = next_job(&session, window) {
+        while let Some(Queued { job, waited }) = next_job(&mut session, window) {
             run_job(job, &mut state);
             if waited {
                 let spin = SPIN_NS.load(Ordering::Relaxed);

@@ -8,6 +8,8 @@ mod dtype;
 mod error;
 #[path = "../build/optable.rs"]
 mod optable;
+#[path = "../src/queue.rs"]
+mod queue;
 
 use optable::{parse, ArgType, Body};
 
@@ -74,4 +76,57 @@ fn every_table_file_parses() {
         }
     }
     assert!(names.len() > 40);
+}
+
+#[test]
+fn queue_hands_out_jobs_oldest_first_across_batches() {
+    let q = queue::Queue::default();
+    let mut taken = std::collections::VecDeque::new();
+    q.push(1);
+    q.push(2);
+    q.take_into(&mut taken);
+    q.push(3);
+    assert!(!q.is_empty());
+    q.take_into(&mut taken);
+    assert!(q.is_empty());
+    assert_eq!(Vec::from(taken), vec![1, 2, 3]);
+}
+
+#[test]
+fn queue_keeps_each_producers_order_under_contention() {
+    use std::sync::Arc;
+    const PRODUCERS: usize = 4;
+    const EACH: usize = 20_000;
+    let q = Arc::new(queue::Queue::default());
+    let producers: Vec<_> = (0..PRODUCERS)
+        .map(|p| {
+            let q = q.clone();
+            std::thread::spawn(move || (0..EACH).for_each(|i| q.push((p, i))))
+        })
+        .collect();
+    let mut next = [0usize; PRODUCERS];
+    let mut taken = std::collections::VecDeque::new();
+    let mut seen = 0;
+    while seen < PRODUCERS * EACH {
+        q.take_into(&mut taken);
+        for (p, i) in taken.drain(..) {
+            assert_eq!(i, next[p], "producer {p} out of order");
+            next[p] += 1;
+            seen += 1;
+        }
+    }
+    producers.into_iter().for_each(|t| t.join().unwrap());
+    assert!(q.is_empty());
+}
+
+#[test]
+fn queue_drops_what_was_never_taken() {
+    let item = std::sync::Arc::new(());
+    let q = queue::Queue::default();
+    q.push(item.clone());
+    q.push(item.clone());
+    q.close();
+    assert!(q.is_closed());
+    drop(q);
+    assert_eq!(std::sync::Arc::strong_count(&item), 1);
 }

@@ -10,6 +10,8 @@ use crate::stream::StreamArg;
 use crate::tensor::{mlx_error, request_export, TensorArg, TensorResource};
 use crate::worker::{State, Worker};
 use rustler::NifResult;
+use smallvec::SmallVec;
+use std::ops::Range;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
@@ -57,18 +59,22 @@ pub(crate) enum Input {
 
 /// The tensor inputs of one job, in order.
 #[derive(Default)]
-pub(crate) struct Inputs(Vec<Input>);
+pub(crate) struct Inputs(SmallVec<[Input; 3]>);
 
 impl Inputs {
     /// Adds `t` as seen from a job of `worker` (`None`: a released stream, whose job is
     /// refused before anything is queued).
-    /// An evaluated tensor is passed by its evaluated array, whichever worker it belongs
-    /// to: an array evaluated outside any worker (`program_eval`) is not in its worker's
-    /// map.
+    /// A tensor of the job's own worker is passed by id, evaluated or not: the common case
+    /// touches no lock and no reference count that the worker touches too. Any other
+    /// evaluated tensor is passed by its evaluated array, including one of the same worker
+    /// evaluated outside it (`program_eval`), which is not in the worker's map.
     pub fn push(&mut self, t: &TensorArg, worker: Option<&Arc<Worker>>) {
-        let input = if let Some(a) = t.evaluated() {
+        let local = worker.is_some_and(|w| Arc::ptr_eq(&t.worker, w));
+        let input = if local && t.held {
+            Input::Local(t.id)
+        } else if let Some(a) = t.evaluated() {
             Input::Shared(a)
-        } else if worker.is_some_and(|w| Arc::ptr_eq(&t.worker, w)) {
+        } else if local {
             Input::Local(t.id)
         } else {
             Input::Foreign(t.clone())
@@ -88,7 +94,11 @@ impl Inputs {
     }
 
     /// On the worker: waits for the exports, then lists the arrays in order.
-    pub fn resolve<'s>(&'s mut self, st: &'s State, op: &str) -> Result<Vec<&'s ffi::Array>, Error> {
+    pub fn resolve<'s>(
+        &'s mut self,
+        st: &'s State,
+        op: &str,
+    ) -> Result<SmallVec<[&'s ffi::Array; 4]>, Error> {
         for input in &mut self.0 {
             if let Input::Awaiting(rx) = input {
                 let a = rx.recv().unwrap_or_else(|_| {
@@ -115,8 +125,8 @@ impl Inputs {
 /// The scalar arguments of an op, in the order the generated C++ `Reader` reads them.
 #[derive(Default, Clone)]
 pub struct Args {
-    pub ints: Vec<i64>,
-    pub floats: Vec<f64>,
+    pub ints: SmallVec<[i64; 8]>,
+    pub floats: SmallVec<[f64; 2]>,
     pub strs: Vec<String>,
     /// Why an argument was refused (reported when the op is submitted).
     pub bad: Option<String>,
@@ -228,22 +238,18 @@ impl Call {
             return Err(crate::error::argument_error(format!("{}: {bad}", self.name)));
         }
         let worker = self.worker.take().expect("a call is submitted once");
-        let outs: Vec<TensorArg> = (0..self.outputs).map(|_| TensorResource::new(&worker)).collect();
-        let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
+        let (outs, ids) = TensorResource::outputs(&worker, self.outputs);
         self.inputs.request(self.name);
         worker.submit_lazy(Box::new(move |st: &mut State| {
             let res = self.run(st);
-            put_outputs(st, &ids, res);
+            put_outputs(st, ids, res);
         }));
         Ok(outs)
     }
 
     fn run(&mut self, st: &State) -> Result<cxx::UniquePtr<ffi::ArrayVec>, Error> {
         let refs = self.inputs.resolve(st, self.name)?;
-        let mut v = ffi::array_vec_new();
-        for a in &refs {
-            ffi::array_vec_push(v.pin_mut(), a);
-        }
+        let v = crate::bridge::array_vec(refs.iter().copied());
         let a = &self.args;
         let out = ffi::op_call(self.op, &v, &a.ints, &a.floats, &a.strs, &st.stream)
             .map_err(|e| mlx_error(self.name, e, &refs))?;
@@ -266,17 +272,21 @@ pub(crate) fn check_outputs(op: &str, out: &ffi::ArrayVec, expected: usize) -> R
 }
 
 /// Stores a job's outputs (or its error, in every output) under `ids`.
-pub(crate) fn put_outputs(st: &mut State, ids: &[u64], res: Result<cxx::UniquePtr<ffi::ArrayVec>, Error>) {
+pub(crate) fn put_outputs(
+    st: &mut State,
+    ids: Range<u64>,
+    res: Result<cxx::UniquePtr<ffi::ArrayVec>, Error>,
+) {
     match res {
         Ok(mut v) => {
-            for (i, &id) in ids.iter().enumerate() {
+            for (i, id) in ids.enumerate() {
                 let a = ffi::array_vec_take(v.pin_mut(), i).expect("output count checked");
                 st.put(id, Ok(a));
             }
         }
         Err(e) => {
             let e = Arc::new(e);
-            for &id in ids {
+            for id in ids {
                 st.put(id, Err(e.clone()));
             }
         }

@@ -255,12 +255,11 @@ fn program_run(
             on.push(Arc::downgrade(&worker));
         }
     }
-    let outs: Vec<TensorArg> = (0..program.outputs).map(|_| TensorResource::new(&worker)).collect();
-    let ids: Vec<u64> = outs.iter().map(|t| t.id).collect();
+    let (outs, ids) = TensorResource::outputs(&worker, program.outputs);
     ins.request(OP);
     worker.submit_lazy(Box::new(move |st: &mut State| {
         let res = run(st, &program, &mut ins);
-        put_outputs(st, &ids, res);
+        put_outputs(st, ids, res);
     }));
     Ok(outs)
 }
@@ -288,10 +287,7 @@ fn program_eval<'a>(
     let Some(evaluated) = evaluated.filter(|_| !program.compile) else {
         return Ok(crate::atoms::pending().encode(env));
     };
-    let mut v = ffi::array_vec_new();
-    for a in &evaluated {
-        ffi::array_vec_push(v.pin_mut(), &a.0);
-    }
+    let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let res = crate::worker::run_busy(|| {
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         let mut out = ffi::program_eval_here(&program.spec.0, &v, worker.device as i32)
@@ -324,10 +320,7 @@ fn run(
     }
     let st = &*st;
     let refs = ins.resolve(st, OP)?;
-    let mut v = ffi::array_vec_new();
-    for a in &refs {
-        ffi::array_vec_push(v.pin_mut(), a);
-    }
+    let v = crate::bridge::array_vec(refs.iter().copied());
     let out = match st.compiled.get(&p.id) {
         Some(c) => ffi::compiled_call(c, &v),
         None => ffi::program_call(&p.spec.0, &v, &st.stream),
