@@ -27,8 +27,9 @@ defmodule Emily.Native do
       evaluations and returns; `program_new/4` and `program_run/3` replay a list of ops
       in one call, optionally compiled (`Emily.Program` documents the format);
       `program_eval/3` runs and evaluates one on the calling dirty scheduler when its
-      inputs are evaluated (`:pending` otherwise); `op_table/0` lists the ops programs
-      can use.
+      inputs are evaluated and it is not compiled (`:pending` otherwise, which
+      `program_compiled/1` and `tensor_evaluated/1` tell without that dirty call);
+      `op_table/0` lists the ops programs can use.
     * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op
       result larger than MLX's memory limit fails with `Emily.Error`.
     * **Debug** (`debug_*`): counts read back by `Emily.Debug`.

@@ -106,19 +106,19 @@ defmodule Emily.Program do
   def eval(program, inputs, opts \\ []) when is_list(inputs) do
     stream = Keyword.get_lazy(opts, :stream, &Emily.Stream.current/0)
 
-    case Emily.Native.program_eval(stream, program, inputs) do
-      outputs when is_list(outputs) ->
-        outputs
-
-      :pending ->
-        if Emily.Native.program_info(program).compile do
-          outputs = Emily.Native.program_run(stream, program, inputs)
-          Emily.evaluate(outputs)
+    if Emily.Native.program_compiled(program) do
+      outputs = Emily.Native.program_run(stream, program, inputs)
+      Emily.evaluate(outputs)
+      outputs
+    else
+      case Emily.Native.program_eval(stream, program, inputs) do
+        outputs when is_list(outputs) ->
           outputs
-        else
+
+        :pending ->
           Emily.evaluate(inputs)
           Emily.Native.program_eval(stream, program, inputs)
-        end
+      end
     end
   end
 

@@ -78,6 +78,9 @@ defmodule Emily.ProgramEvalTest do
     Emily.eval(ins)
     p = Program.new(Sample.instructions(), inputs: 3, compile: true)
     assert N.program_eval(s(), p, ins) == :pending
+    # Program.eval asks this first, on the normal scheduler, and so skips that dirty call.
+    assert N.program_compiled(p)
+    refute N.program_compiled(Program.new(Sample.instructions(), inputs: 3))
     [out] = Program.eval(p, ins)
     assert {:ok, _} = N.to_binary(make_ref(), out)
     assert_close(l(out), Sample.expected())

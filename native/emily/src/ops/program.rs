@@ -344,6 +344,14 @@ fn program_info<'a>(env: Env<'a>, program: ResourceArc<ProgramResource>) -> NifR
     Term::map_from_arrays(env, &keys, &values)
 }
 
+/// `program_compiled(program)`: whether the program was built with `compile: true`, asked
+/// on the normal scheduler (`program_eval` would answer `:pending` only after the hop to
+/// a dirty one).
+#[rustler::nif]
+fn program_compiled(program: ResourceArc<ProgramResource>) -> bool {
+    program.compile
+}
+
 /// `op_table()`: `[{name, id, outputs}]` for every op a program can use, from the table
 /// the build generated: the op ids the NIFs and the C++ dispatch use.
 #[rustler::nif]
