@@ -39,14 +39,14 @@ void install_exit_guard();
 std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
                                   uint8_t dtype_val, uint8_t dtype_size);
 std::unique_ptr<array> clone_array(const array& a);
-void eval_arrays(const ArrayVec& v);
-void eval_array(const array& a);
 // Evaluates `arrays` and replaces each one that is not row-contiguous by an evaluated
 // row-contiguous copy: what leaves a thread (exports, program_eval's outputs) is read
 // as plain bytes.
 void evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s);
 // Evaluates `a` into a row-contiguous array whose data() can be exported without a copy.
 std::unique_ptr<array> export_array(const array& a, const Stream& s);
+// The same for several arrays, in one graph evaluation.
+std::unique_ptr<ArrayVec> export_arrays(const ArrayVec& v, const Stream& s);
 const uint8_t* array_data(const array& a);
 size_t array_nbytes(const array& a);
 rust::Vec<int32_t> array_shape(const array& a);

@@ -28,8 +28,6 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
 
 std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<array>(a); }
 
-void eval_arrays(const ArrayVec& v) { mx::eval(v.items); }
-void eval_array(const array& a) { mx::eval({a}); }
 
 void evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
   mx::eval(arrays);
@@ -47,6 +45,13 @@ std::unique_ptr<array> export_array(const array& a, const Stream& s) {
   std::vector<array> out{a};
   evaluate_row_contiguous(out, s);
   return std::make_unique<array>(std::move(out[0]));
+}
+
+std::unique_ptr<ArrayVec> export_arrays(const ArrayVec& v, const Stream& s) {
+  auto out = std::make_unique<ArrayVec>();
+  out->items = v.items;
+  evaluate_row_contiguous(out->items, s);
+  return out;
 }
 
 const uint8_t* array_data(const array& a) { return a.data<uint8_t>(); }

@@ -153,11 +153,15 @@ pub(crate) fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<Se
     }
     let arr = st.get(t.id, op)?;
     let res = ffi::export_array(arr, &st.stream).map_err(|e| mlx_error(op, e, &[arr]))?;
-    let shared = Arc::new(SendArray(res));
-    // The worker's own slot now holds the evaluated array too, so later ops on it start
-    // from data rather than from the graph.
+    Ok(record_evaluated(st, t, res))
+}
+
+/// Records `a`, `t`'s evaluated array, in `t` and in the worker's own slot, so that later
+/// ops on it start from data rather than from the graph.
+fn record_evaluated(st: &mut State, t: &TensorArg, a: cxx::UniquePtr<ffi::Array>) -> Arc<SendArray> {
+    let shared = Arc::new(SendArray(a));
     st.put(t.id, Ok(ffi::clone_array(&shared.0)));
-    Ok(t.set_evaluated(shared))
+    t.set_evaluated(shared)
 }
 
 pub fn mlx_error(op: &str, e: cxx::Exception, inputs: &[&ffi::Array]) -> Error {
@@ -247,13 +251,14 @@ fn eval_group(st: &mut State, tensors: &[TensorArg]) -> Result<(), Error> {
     }
     let arrays = pending.iter().map(|t| st.get(t.id, "eval")).collect::<Result<Vec<_>, _>>()?;
     let v = crate::bridge::array_vec(arrays.into_iter());
-    ffi::eval_arrays(&v).map_err(|e| Error::Mlx {
+    let mut out = ffi::export_arrays(&v, &st.stream).map_err(|e| Error::Mlx {
         op: "eval".into(),
         message: e.what().into(),
         inputs: format!("{} tensors", pending.len()),
     })?;
-    for t in &pending {
-        evaluate(st, t, "eval")?;
+    for (i, t) in pending.into_iter().enumerate() {
+        let a = ffi::array_vec_take(out.pin_mut(), i).expect("one array per tensor");
+        record_evaluated(st, t, a);
     }
     Ok(())
 }
@@ -288,11 +293,19 @@ impl Gather {
 #[rustler::nif]
 fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifResult<Term<'a>> {
     // Evaluated tensors need no worker: neither does a call with nothing else to wait on.
-    let groups = by_worker(tensors.0.into_iter().filter(|t| t.evaluated().is_none()).collect());
+    let mut groups = by_worker(tensors.0.into_iter().filter(|t| t.evaluated().is_none()).collect());
     if groups.is_empty() {
         return Ok(reply_now(env, reference, (crate::atoms::ok(), crate::atoms::ok()).encode(env)));
     }
     let reply = Reply::new(env, reference);
+    if groups.len() == 1 {
+        // The common case, one worker: it replies itself.
+        let (worker, group) = groups.pop().expect("one group");
+        worker.submit(Box::new(move |st: &mut State| {
+            reply.send_result(eval_group(st, &group).map(|()| crate::atoms::ok()))
+        }));
+        return Ok(reference);
+    }
     let gather = Arc::new(Gather {
         reply: Mutex::new(Some(reply)),
         remaining: AtomicUsize::new(groups.len()),
