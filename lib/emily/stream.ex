@@ -208,16 +208,11 @@ defmodule Emily.Stream.Defaults do
 
   @impl true
   def init([]) do
-    # The GPU's default stream starts first: the thread that first reaches MLX's
-    # scheduler is the one MLX's CUDA backend keeps its pool of CUDA events for (any
-    # other thread creates and destroys an event for every evaluation), so that thread
-    # should be the default GPU stream's worker.
     devices =
-      for device <- [:gpu, :cpu], stream = start(device), stream != nil do
+      for device <- [:cpu, :gpu], stream = start(device), stream != nil do
         :persistent_term.put({Emily.Stream, :default, device}, stream)
         device
       end
-      |> Enum.sort()
 
     default = if :gpu in devices, do: :gpu, else: :cpu
     :persistent_term.put({Emily, :devices}, devices)
