@@ -61,6 +61,7 @@ fn main() {
         for op in &ops {
             assert!(seen.insert(op.name.clone()), "op `{}` appears twice in the table", op.name);
         }
+        let first = next_id + 1;
         let numbered: Vec<(u32, &optable::Op)> = ops
             .iter()
             .map(|op| {
@@ -84,7 +85,7 @@ fn main() {
             &codegen::cpp_family(&family, &numbered, manifest.join(format!("cpp/{family}.h")).exists()),
         );
         cpp_files.push(cc);
-        families.push(family);
+        families.push((family, first..next_id + 1));
     }
     write_if_changed(&out.join("program_table.rs"), &codegen::program_table(&program_families));
     let dispatch = out.join("dispatch.cc");

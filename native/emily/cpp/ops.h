@@ -12,14 +12,19 @@
 
 namespace emily {
 
-// Reads one op's arguments in the order the generated Rust NIF wrote them.
+// Reads one op's arguments in the order the generated Rust NIF wrote them. The tensors
+// are `t` in order, or, given `slots` (a program's instruction), `t[slots[0]]`,
+// `t[slots[1]]`, ...: a program's replay reads its inputs in place.
 class Reader {
  public:
-  Reader(const std::vector<array>& t, rust::Slice<const int64_t> i, rust::Slice<const double> f,
-         rust::Slice<const rust::String> s)
-      : t_(t), i_(i), f_(f), s_(s) {}
+  Reader(const std::vector<array>& t, const std::vector<uint32_t>* slots, rust::Slice<const int64_t> i,
+         rust::Slice<const double> f, rust::Slice<const rust::String> s)
+      : t_(t), slots_(slots), i_(i), f_(f), s_(s) {}
 
-  const array& tensor() { return t_.at(ti_++); }
+  const array& tensor() {
+    size_t k = ti_++;
+    return t_.at(slots_ ? slots_->at(k) : k);
+  }
   std::optional<array> opt_tensor() {
     if (int_() == 0) return std::nullopt;
     return tensor();
@@ -63,21 +68,30 @@ class Reader {
   }
 
   const std::vector<array>& t_;
+  const std::vector<uint32_t>* slots_;
   rust::Slice<const int64_t> i_;
   rust::Slice<const double> f_;
   rust::Slice<const rust::String> s_;
   size_t ti_ = 0, ii_ = 0, fi_ = 0, si_ = 0;
 };
 
-inline std::vector<array> outputs(array a) { return {std::move(a)}; }
-inline std::vector<array> outputs(std::vector<array> v) { return v; }
+// An op's result, appended to `out` (which a replay reuses from op to op).
+inline void append_outputs(std::vector<array>& out, array a) { out.push_back(std::move(a)); }
+inline void append_outputs(std::vector<array>& out, std::vector<array> v) {
+  for (auto& a : v) out.push_back(std::move(a));
+}
 template <typename A, typename B>
-std::vector<array> outputs(std::pair<A, B> p) {
-  return {std::move(p.first), std::move(p.second)};
+void append_outputs(std::vector<array>& out, std::pair<A, B> p) {
+  out.push_back(std::move(p.first));
+  out.push_back(std::move(p.second));
 }
 template <typename... T>
-std::vector<array> outputs(std::tuple<T...> t) {
-  return std::apply([](auto&&... a) { return std::vector<array>{std::move(a)...}; }, std::move(t));
+void append_outputs(std::vector<array>& out, std::tuple<T...> t) {
+  std::apply([&out](auto&&... a) { (out.push_back(std::move(a)), ...); }, std::move(t));
 }
+
+// Runs op `op` (its id in the op table) on the arguments `r` reads, appending its results
+// to `out`; false for an id that names no generated op (dispatch.cc, generated).
+bool dispatch_op(uint32_t op, Reader& r, const Stream& s, std::vector<array>& out);
 
 }  // namespace emily

@@ -5,7 +5,9 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "memory.h"
 #include "mlx/compile_impl.h"
+#include "ops.h"
 
 namespace emily {
 namespace mx = mlx::core;
@@ -29,29 +31,34 @@ void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots) {
   p.outputs.assign(slots.begin(), slots.end());
 }
 
-// The slots were checked when the program was built (src/ops/program.rs).
+// The slots were checked when the program was built (src/ops/program.rs). Each
+// instruction reads its inputs in place and appends its outputs to the slots, through a
+// vector reused from op to op: an op costs MLX's work and a table lookup, no allocation.
 static std::vector<array> replay(const ProgramSpec& p, const std::vector<array>& inputs, const Stream& s) {
-  std::vector<array> slots(inputs.begin(), inputs.end());
-  slots.reserve(inputs.size() + p.instrs.size());
-  ArrayVec args;
+  std::vector<array> slots;
+  // Reserved for every output up front: the Reader's references into it stay valid.
+  size_t n_slots = inputs.size();
+  for (const auto& in : p.instrs) n_slots += in.outputs;
+  slots.reserve(n_slots);
+  slots.insert(slots.end(), inputs.begin(), inputs.end());
+  std::vector<array> out;
   for (size_t k = 0; k < p.instrs.size(); k++) {
     const ProgramInstr& in = p.instrs[k];
-    args.items.clear();
-    for (auto i : in.slots) args.items.push_back(slots.at(i));
-    std::unique_ptr<ArrayVec> out;
+    out.clear();
     try {
-      out = op_call(in.op, args, rust::Slice<const int64_t>(in.ints.data(), in.ints.size()),
-                    rust::Slice<const double>(in.floats.data(), in.floats.size()),
-                    rust::Slice<const rust::String>(in.strs.data(), in.strs.size()), s);
+      Reader r{slots, &in.slots, rust::Slice<const int64_t>(in.ints.data(), in.ints.size()),
+               rust::Slice<const double>(in.floats.data(), in.floats.size()),
+               rust::Slice<const rust::String>(in.strs.data(), in.strs.size())};
+      if (!dispatch_op(in.op, r, s, out)) throw std::invalid_argument("unknown op id " + std::to_string(in.op));
+      check_result_sizes(out);
     } catch (const std::exception& e) {
       throw std::runtime_error("instruction " + std::to_string(k) + " (" + in.name + "): " + e.what());
     }
-    if (out->items.size() != in.outputs) {
+    if (out.size() != in.outputs) {
       throw std::runtime_error("instruction " + std::to_string(k) + " (" + in.name + ") returned " +
-                               std::to_string(out->items.size()) + " arrays, expected " +
-                               std::to_string(in.outputs));
+                               std::to_string(out.size()) + " arrays, expected " + std::to_string(in.outputs));
     }
-    for (auto& a : out->items) slots.push_back(std::move(a));
+    for (auto& a : out) slots.push_back(std::move(a));
   }
   std::vector<array> result;
   result.reserve(p.outputs.size());
