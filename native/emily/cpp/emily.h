@@ -22,6 +22,7 @@ struct ArrayVec {
 std::unique_ptr<ArrayVec> array_vec_new(size_t capacity);
 void array_vec_push(ArrayVec& v, const array& a);
 size_t array_vec_len(const ArrayVec& v);
+void array_vec_clear(ArrayVec& v);
 std::unique_ptr<array> array_vec_take(ArrayVec& v, size_t i);
 
 // stream.cc
@@ -52,9 +53,9 @@ size_t array_nbytes(const array& a);
 rust::Vec<int32_t> array_shape(const array& a);
 uint8_t array_dtype_val(const array& a);
 
-// dispatch.cc (generated from the op table)
-std::unique_ptr<ArrayVec> op_call(uint32_t op, const ArrayVec& tensors, rust::Slice<const int64_t> ints,
-                                  rust::Slice<const double> floats, rust::Slice<const rust::String> strs,
-                                  const Stream& s);
+// dispatch.cc (generated from the op table): runs op `op`, replacing `out`'s arrays by
+// its results.
+void op_call(uint32_t op, const ArrayVec& tensors, rust::Slice<const int64_t> ints, rust::Slice<const double> floats,
+             rust::Slice<const rust::String> strs, const Stream& s, ArrayVec& out);
 
 }  // namespace emily

@@ -13,6 +13,7 @@ std::unique_ptr<ArrayVec> array_vec_new(size_t capacity) {
 }
 void array_vec_push(ArrayVec& v, const array& a) { v.items.push_back(a); }
 size_t array_vec_len(const ArrayVec& v) { return v.items.size(); }
+void array_vec_clear(ArrayVec& v) { v.items.clear(); }
 std::unique_ptr<array> array_vec_take(ArrayVec& v, size_t i) {
   return std::make_unique<array>(std::move(v.items.at(i)));
 }

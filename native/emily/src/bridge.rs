@@ -21,6 +21,7 @@ pub mod ffi {
         fn array_vec_new(capacity: usize) -> UniquePtr<ArrayVec>;
         fn array_vec_push(v: Pin<&mut ArrayVec>, a: &Array);
         fn array_vec_len(v: &ArrayVec) -> usize;
+        fn array_vec_clear(v: Pin<&mut ArrayVec>);
         fn array_vec_take(v: Pin<&mut ArrayVec>, i: usize) -> Result<UniquePtr<Array>>;
 
         fn mlx_version() -> String;
@@ -84,7 +85,8 @@ pub mod ffi {
             floats: &[f64],
             strs: &[String],
             s: &Stream,
-        ) -> Result<UniquePtr<ArrayVec>>;
+            out: Pin<&mut ArrayVec>,
+        ) -> Result<()>;
     }
 }
 

@@ -86,7 +86,7 @@ impl TensorResource {
         let evaluated = self.evaluated.lock().unwrap().take();
         let id = self.id;
         self.worker.submit_lazy(Box::new(move |st: &mut State| {
-            st.arrays.remove(&id);
+            st.arrays.remove(id);
             drop(evaluated);
         }));
         true

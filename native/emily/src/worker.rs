@@ -91,10 +91,14 @@ pub type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 /// What a job sees: the worker's stream and the arrays it holds.
 pub struct State {
     pub stream: UniquePtr<ffi::Stream>,
-    pub arrays: IdMap<Slot>,
+    pub arrays: Arrays,
     /// Programs compiled with `mx::compile` on this worker, by program id (never reused).
     /// MLX's compile cache is thread-local: they are built, called and dropped here only.
     pub compiled: IdMap<UniquePtr<ffi::Compiled>>,
+    /// An op job's argument and result arrays, reused from op to op (emptied after each),
+    /// so that building a node allocates no vectors.
+    pub op_args: UniquePtr<ffi::ArrayVec>,
+    pub op_results: UniquePtr<ffi::ArrayVec>,
 }
 
 /// A tensor's value on its worker: the (possibly lazy) array, or why it has none.
@@ -103,10 +107,14 @@ pub enum Slot {
     Failed(Arc<Error>),
 }
 
-impl State {
+/// The arrays a worker holds, by tensor id.
+#[derive(Default)]
+pub struct Arrays(IdMap<Slot>);
+
+impl Arrays {
     /// The array for tensor `id`, or the error that `op` should report instead.
     pub fn get(&self, id: u64, op: &str) -> Result<&ffi::Array, Error> {
-        match self.arrays.get(&id) {
+        match self.0.get(&id) {
             Some(Slot::Ready(a)) => Ok(a),
             Some(Slot::Failed(e)) => Err(Error::Input { op: op.into(), source: Box::new((**e).clone()) }),
             None => Err(Error::Released { op: op.into(), id }),
@@ -118,7 +126,26 @@ impl State {
             Ok(a) => Slot::Ready(a),
             Err(e) => Slot::Failed(e),
         };
-        self.arrays.insert(id, slot);
+        self.0.insert(id, slot);
+    }
+
+    pub fn remove(&mut self, id: u64) {
+        self.0.remove(&id);
+    }
+
+    pub fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl State {
+    /// The array for tensor `id`, or the error that `op` should report instead.
+    pub fn get(&self, id: u64, op: &str) -> Result<&ffi::Array, Error> {
+        self.arrays.get(id, op)
+    }
+
+    pub fn put(&mut self, id: u64, value: Result<UniquePtr<ffi::Array>, Arc<Error>>) {
+        self.arrays.put(id, value)
     }
 }
 
@@ -451,7 +478,13 @@ fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
             return;
         }
     };
-    let mut state = State { stream, arrays: IdMap::default(), compiled: IdMap::default() };
+    let mut state = State {
+        stream,
+        arrays: Arrays::default(),
+        compiled: IdMap::default(),
+        op_args: ffi::array_vec_new(4),
+        op_results: ffi::array_vec_new(4),
+    };
     let mut session = first;
     loop {
         let mut window = None;

@@ -8,10 +8,11 @@ use crate::dtype::DType;
 use crate::error::{argument_error, Error};
 use crate::stream::StreamArg;
 use crate::tensor::{mlx_error, request_export, TensorArg, TensorResource};
-use crate::worker::{State, Worker};
+use crate::worker::{Arrays, State, Worker};
 use rustler::NifResult;
 use smallvec::SmallVec;
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
@@ -96,7 +97,7 @@ impl Inputs {
     /// On the worker: waits for the exports, then lists the arrays in order.
     pub fn resolve<'s>(
         &'s mut self,
-        st: &'s State,
+        st: &'s Arrays,
         op: &str,
     ) -> Result<SmallVec<[&'s ffi::Array; 4]>, Error> {
         for input in &mut self.0 {
@@ -242,19 +243,35 @@ impl Call {
         self.inputs.request(self.name);
         worker.submit_lazy(Box::new(move |st: &mut State| {
             let res = self.run(st);
-            put_outputs(st, ids, res);
+            let State { arrays, op_results, .. } = st;
+            put_outputs(arrays, ids, res.map(|()| op_results.pin_mut()));
+            ffi::array_vec_clear(op_results.pin_mut());
         }));
         Ok(outs)
     }
 
-    fn run(&mut self, st: &State) -> Result<cxx::UniquePtr<ffi::ArrayVec>, Error> {
-        let refs = self.inputs.resolve(st, self.name)?;
-        let v = crate::bridge::array_vec(refs.iter().copied());
+    /// Builds the op's node into the worker's `op_results`.
+    fn run(&mut self, st: &mut State) -> Result<(), Error> {
+        let refs = self.inputs.resolve(&st.arrays, self.name)?;
+        ffi::array_vec_clear(st.op_args.pin_mut());
+        for a in &refs {
+            ffi::array_vec_push(st.op_args.pin_mut(), a);
+        }
         let a = &self.args;
-        let out = ffi::op_call(self.op, &v, &a.ints, &a.floats, &a.strs, &st.stream)
-            .map_err(|e| mlx_error(self.name, e, &refs))?;
-        check_outputs(self.name, &out, self.outputs)?;
-        Ok(out)
+        let res = ffi::op_call(
+            self.op,
+            &st.op_args,
+            &a.ints,
+            &a.floats,
+            &a.strs,
+            &st.stream,
+            st.op_results.pin_mut(),
+        );
+        // The arguments are not kept: holding them would keep their arrays alive (and
+        // their buffers from being donated) until the next op.
+        ffi::array_vec_clear(st.op_args.pin_mut());
+        res.map_err(|e| mlx_error(self.name, e, &refs))?;
+        check_outputs(self.name, &st.op_results, self.outputs)
     }
 }
 
@@ -271,23 +288,20 @@ pub(crate) fn check_outputs(op: &str, out: &ffi::ArrayVec, expected: usize) -> R
     Ok(())
 }
 
-/// Stores a job's outputs (or its error, in every output) under `ids`.
-pub(crate) fn put_outputs(
-    st: &mut State,
-    ids: Range<u64>,
-    res: Result<cxx::UniquePtr<ffi::ArrayVec>, Error>,
-) {
+/// Stores a job's outputs (or its error, in every output) under `ids`, taking them out
+/// of `res`.
+pub(crate) fn put_outputs(arrays: &mut Arrays, ids: Range<u64>, res: Result<Pin<&mut ffi::ArrayVec>, Error>) {
     match res {
         Ok(mut v) => {
             for (i, id) in ids.enumerate() {
-                let a = ffi::array_vec_take(v.pin_mut(), i).expect("output count checked");
-                st.put(id, Ok(a));
+                let a = ffi::array_vec_take(v.as_mut(), i).expect("output count checked");
+                arrays.put(id, Ok(a));
             }
         }
         Err(e) => {
             let e = Arc::new(e);
             for id in ids {
-                st.put(id, Err(e.clone()));
+                arrays.put(id, Err(e.clone()));
             }
         }
     }

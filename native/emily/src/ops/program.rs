@@ -257,9 +257,9 @@ fn program_run(
     }
     let (outs, ids) = TensorResource::outputs(&worker, program.outputs);
     ins.request(OP);
-    worker.submit_lazy(Box::new(move |st: &mut State| {
-        let res = run(st, &program, &mut ins);
-        put_outputs(st, ids, res);
+    worker.submit_lazy(Box::new(move |st: &mut State| match run(st, &program, &mut ins) {
+        Ok(mut out) => put_outputs(&mut st.arrays, ids, Ok(out.pin_mut())),
+        Err(e) => put_outputs(&mut st.arrays, ids, Err(e)),
     }));
     Ok(outs)
 }
@@ -319,7 +319,7 @@ fn run(
         st.compiled.insert(p.id, c);
     }
     let st = &*st;
-    let refs = ins.resolve(st, OP)?;
+    let refs = ins.resolve(&st.arrays, OP)?;
     let v = crate::bridge::array_vec(refs.iter().copied());
     let out = match st.compiled.get(&p.id) {
         Some(c) => ffi::compiled_call(c, &v),
