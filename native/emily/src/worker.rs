@@ -361,7 +361,7 @@ impl Worker {
     }
 
     /// Queues a lazy op's job: it runs before any later job, but does not wake the worker
-    /// by itself (see `Queue`).
+    /// by itself (see `Session`).
     pub fn submit_lazy(&self, job: Job) {
         self.push(job, true);
     }
