@@ -188,16 +188,18 @@ pub fn cpp_dispatch(families: &[(String, std::ops::Range<u32>)]) -> String {
     }
     s.push_str(
         "};\n\n\
-         bool dispatch_op(uint32_t op, Reader& r, const mlx::core::Stream& s, std::vector<mlx::core::array>& out) {\n\
-         \x20 return op < std::size(families) && families[op] != nullptr && families[op](op, r, s, out);\n\
+         void run_op(uint32_t op, Reader& r, const mlx::core::Stream& s, std::vector<mlx::core::array>& out) {\n\
+         \x20 if (op >= std::size(families) || families[op] == nullptr || !families[op](op, r, s, out)) {\n\
+         \x20   throw std::invalid_argument(\"unknown op id \" + std::to_string(op));\n\
+         \x20 }\n\
+         \x20 check_result_sizes(out);\n\
          }\n\n\
          void op_call(uint32_t op, const ArrayVec& tensors, rust::Slice<const int64_t> ints,\n\
          \x20            rust::Slice<const double> floats, rust::Slice<const rust::String> strs, const mlx::core::Stream& s,\n\
          \x20            ArrayVec& out) {\n\
          \x20 out.items.clear();\n\
          \x20 Reader r{tensors.items, nullptr, ints, floats, strs};\n\
-         \x20 if (!dispatch_op(op, r, s, out.items)) throw std::invalid_argument(\"unknown op id \" + std::to_string(op));\n\
-         \x20 check_result_sizes(out.items);\n\
+         \x20 run_op(op, r, s, out.items);\n\
          }\n\n}  // namespace emily\n",
     );
     s

@@ -90,8 +90,9 @@ void append_outputs(std::vector<array>& out, std::tuple<T...> t) {
   std::apply([&out](auto&&... a) { (out.push_back(std::move(a)), ...); }, std::move(t));
 }
 
-// Runs op `op` (its id in the op table) on the arguments `r` reads, appending its results
-// to `out`; false for an id that names no generated op (dispatch.cc, generated).
-bool dispatch_op(uint32_t op, Reader& r, const Stream& s, std::vector<array>& out);
+// Runs op `op` (its id in the op table) on the arguments `r` reads and appends its results
+// to `out`, each checked against the memory limit; throws for an id that names no
+// generated op. The one way in for NIFs (`op_call`) and programs (dispatch.cc, generated).
+void run_op(uint32_t op, Reader& r, const Stream& s, std::vector<array>& out);
 
 }  // namespace emily

@@ -5,7 +5,6 @@
 #include <mutex>
 #include <stdexcept>
 
-#include "memory.h"
 #include "mlx/compile_impl.h"
 #include "ops.h"
 
@@ -49,8 +48,7 @@ static std::vector<array> replay(const ProgramSpec& p, const std::vector<array>&
       Reader r{slots, &in.slots, rust::Slice<const int64_t>(in.ints.data(), in.ints.size()),
                rust::Slice<const double>(in.floats.data(), in.floats.size()),
                rust::Slice<const rust::String>(in.strs.data(), in.strs.size())};
-      if (!dispatch_op(in.op, r, s, out)) throw std::invalid_argument("unknown op id " + std::to_string(in.op));
-      check_result_sizes(out);
+      run_op(in.op, r, s, out);
     } catch (const std::exception& e) {
       throw std::runtime_error("instruction " + std::to_string(k) + " (" + in.name + "): " + e.what());
     }
