@@ -151,7 +151,7 @@ pub(crate) fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<Se
     if let Some(a) = t.evaluated() {
         return Ok(a);
     }
-    let arr = st.get(t.id, op)?;
+    let arr = st.arrays.get(t.id, op)?;
     let res = ffi::export_array(arr, &st.stream).map_err(|e| mlx_error(op, e, &[arr]))?;
     Ok(record_evaluated(st, t, res))
 }
@@ -160,7 +160,7 @@ pub(crate) fn evaluate(st: &mut State, t: &TensorArg, op: &str) -> Result<Arc<Se
 /// ops on it start from data rather than from the graph.
 fn record_evaluated(st: &mut State, t: &TensorArg, a: cxx::UniquePtr<ffi::Array>) -> Arc<SendArray> {
     let shared = Arc::new(SendArray(a));
-    st.put(t.id, Ok(ffi::clone_array(&shared.0)));
+    st.arrays.put(t.id, Ok(ffi::clone_array(&shared.0)));
     t.set_evaluated(shared)
 }
 
@@ -210,7 +210,7 @@ fn from_binary<'a>(stream: StreamArg, data: Term<'a>, shape: Shape, dtype: DType
                 inputs: format!("{}[{:?}]", dtype.short_name(), dims),
             })
         });
-        st.put(id, value);
+        st.arrays.put(id, value);
     }));
     Ok(out)
 }
@@ -249,7 +249,7 @@ fn eval_group(st: &mut State, tensors: &[TensorArg]) -> Result<(), Error> {
     if pending.is_empty() {
         return Ok(());
     }
-    let arrays = pending.iter().map(|t| st.get(t.id, "eval")).collect::<Result<Vec<_>, _>>()?;
+    let arrays = pending.iter().map(|t| st.arrays.get(t.id, "eval")).collect::<Result<Vec<_>, _>>()?;
     let v = crate::bridge::array_vec(arrays.into_iter());
     let mut out = ffi::export_arrays(&v, &st.stream).map_err(|e| Error::Mlx {
         op: "eval".into(),
@@ -328,7 +328,7 @@ fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
             let mut v = ffi::array_vec_new(group.len());
             for t in group.iter().filter(|t| t.evaluated().is_none()) {
                 // A failed input reports its error at the next waiting call.
-                if let Ok(a) = st.get(t.id, "async_eval") {
+                if let Ok(a) = st.arrays.get(t.id, "async_eval") {
                     ffi::array_vec_push(v.pin_mut(), a);
                 }
             }
@@ -382,7 +382,8 @@ fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a
     let reply = Reply::new(env, reference);
     let worker = tensor.worker.clone();
     worker.submit(Box::new(move |st: &mut State| {
-        let res = st.get(tensor.id, "describe").map(|a| (ffi::array_shape(a), ffi::array_dtype_val(a)));
+        let res =
+            st.arrays.get(tensor.id, "describe").map(|a| (ffi::array_shape(a), ffi::array_dtype_val(a)));
         reply.send(|env| match res {
             Ok((shape, val)) => (crate::atoms::ok(), described(env, shape, val)).encode(env),
             Err(e) => (crate::atoms::error(), e.to_exception()).encode(env),

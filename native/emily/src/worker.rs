@@ -138,17 +138,6 @@ impl Arrays {
     }
 }
 
-impl State {
-    /// The array for tensor `id`, or the error that `op` should report instead.
-    pub fn get(&self, id: u64, op: &str) -> Result<&ffi::Array, Error> {
-        self.arrays.get(id, op)
-    }
-
-    pub fn put(&mut self, id: u64, value: Result<UniquePtr<ffi::Array>, Arc<Error>>) {
-        self.arrays.put(id, value)
-    }
-}
-
 pub type Job = Box<dyn FnOnce(&mut State) + Send>;
 
 /// A queued job, and whether a caller waits for it (anything but a lazy op or a drop).

@@ -48,7 +48,7 @@ pub fn output_count(name: &str, n: i64) -> NifResult<usize> {
 
 /// A tensor input of a job, from the NIF (scheduler side) to the worker.
 pub(crate) enum Input {
-    /// A lazy tensor held by the job's own worker.
+    /// A tensor in the job's own worker's map (lazy, or evaluated there).
     Local(u64),
     /// An evaluated tensor, of any worker.
     Shared(Arc<SendArray>),
@@ -97,7 +97,7 @@ impl Inputs {
     /// On the worker: waits for the exports, then lists the arrays in order.
     pub fn resolve<'s>(
         &'s mut self,
-        st: &'s Arrays,
+        arrays: &'s Arrays,
         op: &str,
     ) -> Result<SmallVec<[&'s ffi::Array; 4]>, Error> {
         for input in &mut self.0 {
@@ -115,7 +115,7 @@ impl Inputs {
         self.0
             .iter()
             .map(|input| match input {
-                Input::Local(id) => st.get(*id, op),
+                Input::Local(id) => arrays.get(*id, op),
                 Input::Shared(a) => Ok(&*a.0),
                 Input::Foreign(_) | Input::Awaiting(_) => unreachable!("requested and resolved above"),
             })
@@ -253,7 +253,6 @@ impl Call {
     /// Builds the op's node into the worker's `op_results`.
     fn run(&mut self, st: &mut State) -> Result<(), Error> {
         let refs = self.inputs.resolve(&st.arrays, self.name)?;
-        ffi::array_vec_clear(st.op_args.pin_mut());
         for a in &refs {
             ffi::array_vec_push(st.op_args.pin_mut(), a);
         }
