@@ -4,9 +4,19 @@ defmodule Emily.Doctor do
   without Mix (`Emily.Doctor.run/1`) where there is none, e.g. in a bundle.
 
   It reports the MLX version and variant (cpu, cuda13, cuda12, metal), the devices MLX
-  can use, the BLAS that MLX's CPU matmuls go to, then runs on each device a matmul and
-  an elementwise chain, checks their values against ones computed in Elixir, and reports
-  GFLOP/s and GB/s.
+  can use, the BLAS that MLX's CPU matmuls go to and, on CUDA, the headers MLX compiles
+  its kernels against; then runs on each device a matmul, an elementwise chain and a
+  4-bit quantized matmul, checks their values against ones computed in Elixir or by an
+  equivalent op, and reports GFLOP/s and GB/s.
+
+  On CUDA, MLX compiles kernels at run time with NVRTC (its quantized matmuls among
+  them) against the CUDA headers of the `nvidia-*` wheels beside its own
+  (`nvidia/cu13/include`). The CUDA 13 wheels that `mlx-cuda-13` depends on ship `mma.h`
+  without the `crt/` headers it includes; those come in the `nvidia-cuda-crt` wheel.
+  Without them a kernel that includes `mma.h` fails to compile (an `Emily.Error`): on an
+  H200 with MLX 0.32.4, the sm90 quantized matmul, which Emily no longer calls (its
+  results are wrong, see `native/emily/cpp/guards.h`). The doctor names the folder and
+  whether it has `crt/`.
   """
   alias Emily.Native, as: N
 
@@ -29,6 +39,10 @@ defmodule Emily.Doctor do
     )
 
     info("BLAS for MLX's CPU matmuls: #{blas()}")
+
+    if String.starts_with?(variant(), "cuda"),
+      do: info("CUDA headers for MLX's JIT: #{cuda_headers()}")
+
     info("malloc for MLX's CPU buffers: #{malloc()}")
     info("polling after waited-for work: #{Emily.Stream.spin_us()} us (config :emily, spin_us)")
 
@@ -77,7 +91,45 @@ defmodule Emily.Doctor do
     values = Emily.to_list(N.slice(stream, y, [0], [8], [1]))
     chain_ok = values == List.duplicate(2.5, 8)
     report("elementwise chain, #{m} f32", chain_ok, "#{round1(gbs)} GB/s")
-    [matmul_ok, chain_ok]
+    [matmul_ok, chain_ok, quantized_matmul(stream, tol)]
+  end
+
+  # x . dequantize(quantize(w))^T computed two ways: by the quantized kernel (on CUDA one
+  # that MLX compiles at run time) and by a plain matmul of the dequantized weights (TF32
+  # on a GPU, hence the matmul check's tolerance).
+  defp quantized_matmul(stream, tol) do
+    # 16 rows: on CUDA, fewer take a kernel that is not compiled at run time.
+    {m, k, n} = {16, 256, 64}
+
+    x =
+      N.divide(
+        stream,
+        N.arange(stream, 0, m * k, 1, {:f, 32}),
+        N.full(stream, {}, 1.0 * m * k, {:f, 32})
+      )
+
+    x = N.reshape(stream, x, {m, k})
+    w = N.reshape(stream, N.sin(stream, N.arange(stream, 0, n * k, 1, {:f, 32})), {n, k})
+    [wq, scales, biases] = N.quantize(stream, w, 64, 4)
+    y = N.quantized_matmul(stream, x, wq, scales, biases, true, 64, 4, "affine")
+    dw = N.dequantize(stream, wq, scales, biases, 64, 4, "affine", nil, {:f, 32})
+    ref = N.matmul(stream, x, N.transpose(stream, dw, [1, 0]))
+
+    max_abs = &(N.max(stream, N.abs(stream, &1), [0, 1], false) |> Emily.to_list() |> hd())
+    rel = max_abs.(N.subtract(stream, y, ref)) / max_abs.(ref)
+    ok = rel <= max(tol, 1.0e-5)
+
+    report(
+      "quantized matmul 4-bit #{m}x#{k}x#{n}",
+      ok,
+      "max |diff| / max |result| #{Float.round(rel, 8)} against dequantize + matmul"
+    )
+
+    ok
+  rescue
+    e in Emily.Error ->
+      report("quantized matmul 4-bit", false, Exception.message(e))
+      false
   end
 
   defp elementwise_chain(stream, x) do
@@ -91,7 +143,12 @@ defmodule Emily.Doctor do
     |> then(&N.divide(stream, &1, three))
   end
 
+  # Collects first: the process's garbage from the warm-up still holds MLX buffers (a
+  # tensor's memory is freed when the VM collects its handle), and fresh allocations
+  # beside them would be timed as page faults.
   defp time(fun) do
+    :erlang.garbage_collect()
+
     {us, t} =
       :timer.tc(fn ->
         t = fun.()
@@ -119,6 +176,32 @@ defmodule Emily.Doctor do
       end
     else
       _ -> "unknown"
+    end
+  end
+
+  # The folder MLX 0.32 gives NVRTC for the CUDA runtime headers: the `nvidia-*` wheels'
+  # beside its own, else $CUDA_HOME or $CUDA_PATH, else /usr/local/cuda.
+  defp cuda_headers do
+    site = loaded("libmlx") |> Path.dirname() |> Path.join("../..") |> Path.expand()
+    wheel = if variant() == "cuda12", do: "cuda_runtime", else: "cu13"
+    home = System.get_env("CUDA_HOME") || System.get_env("CUDA_PATH") || "/usr/local/cuda"
+
+    dir =
+      Enum.find(
+        [Path.join([site, "nvidia", wheel, "include"]), Path.join(home, "include")],
+        &File.dir?/1
+      )
+
+    cond do
+      dir == nil ->
+        "none found (kernels compiled at run time will fail: install the CUDA runtime headers)"
+
+      File.exists?(Path.join(dir, "crt/mma.h")) ->
+        "#{dir} (with crt/)"
+
+      true ->
+        "#{dir}, without crt/ (kernels that include mma.h cannot compile: install the " <>
+          "nvidia-cuda-crt wheel of the same CUDA version beside the nvidia-* wheels)"
     end
   end
 
