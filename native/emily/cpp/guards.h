@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -41,6 +42,26 @@ inline mlx::core::array arange_checked(double start, double stop, double step, m
 inline mlx::core::array fft_checked(mlx::core::array out, const mlx::core::array& a, mlx::core::StreamOrDevice s) {
   if (a.size() == 0) return mlx::core::zeros(out.shape(), out.dtype(), s);
   return out;
+}
+
+// MLX's CUDA quantized matmul is wrong when one group spans each row of w (affine,
+// transposed, group_size >= K: what MLX sends to its sm90 kernel) and x has more than one
+// row: values off by 1% to 1e36, or NaN, and a larger such call never returned (seen on an
+// H200, MLX 0.32.4, from Python MLX alike). Such weights have at most 128 columns: they
+// are dequantized and multiplied, which is what the op means. `out` is the op as MLX
+// built it, so its argument checks, dtype and shape stand.
+inline mlx::core::array quantized_matmul_checked(mlx::core::array out, const mlx::core::array& x,
+                                                 const mlx::core::array& w, const mlx::core::array& scales,
+                                                 const std::optional<mlx::core::array>& biases, bool transpose,
+                                                 int group_size, int bits, const std::string& mode,
+                                                 mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (!transpose || mode != "affine" || x.ndim() == 0 || x.shape(-1) > group_size ||
+      mx::to_stream(s).device != mx::Device::gpu) {
+    return out;
+  }
+  mx::array dw = mx::dequantize(w, scales, biases, group_size, bits, mode, std::nullopt, out.dtype(), s);
+  return mx::matmul(mx::astype(x, out.dtype(), s), mx::swapaxes(dw, -1, -2, s), s);
 }
 
 // Whether each matrix (the last two axes) of `a` has only finite entries (keepdims).
