@@ -89,10 +89,12 @@ defmodule Emily.WorkerTest do
     churn.()
     Process.sleep(100)
     before = thread_count()
-    churn.()
+    for _ <- 1..3, do: churn.()
     Process.sleep(100)
-    # Neither Emily's threads nor MLX's (one per stream it ever saw) grew.
-    assert thread_count() <= before
+    # Neither Emily's threads nor MLX's (one per stream it ever saw) grew with the 60
+    # streams. One more worker, and its MLX stream thread, is allowed: a stream may start
+    # while the thread of the one dropped just before is still ending its session.
+    assert thread_count() <= before + 2
   end
 
   test "with_stream/2 sets the process's stream and selected/0 reports it" do
