@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "mlx/backend/metal/metal.h"
 #include "mlx/mlx.h"
 
 namespace emily {
@@ -47,9 +48,9 @@ inline mlx::core::array fft_checked(mlx::core::array out, const mlx::core::array
 // MLX's CUDA quantized matmul is wrong when one group spans each row of w (affine,
 // transposed, group_size >= K: what MLX sends to its sm90 kernel) and x has more than one
 // row: values off by 1% to 1e36, or NaN, and a larger such call never returned (seen on an
-// H200, MLX 0.32.4, from Python MLX alike). Such weights have at most 128 columns: they
-// are dequantized and multiplied, which is what the op means. `out` is the op as MLX
-// built it, so its argument checks, dtype and shape stand.
+// H200, MLX 0.32.4, from Python MLX alike). Such weights have at most 128 columns: on a
+// CUDA GPU they are dequantized and multiplied, which is what the op means. `out` is the
+// op as MLX built it, so its argument checks, dtype and shape stand.
 inline mlx::core::array quantized_matmul_checked(mlx::core::array out, const mlx::core::array& x,
                                                  const mlx::core::array& w, const mlx::core::array& scales,
                                                  const std::optional<mlx::core::array>& biases, bool transpose,
@@ -57,7 +58,7 @@ inline mlx::core::array quantized_matmul_checked(mlx::core::array out, const mlx
                                                  mlx::core::StreamOrDevice s) {
   namespace mx = mlx::core;
   if (!transpose || mode != "affine" || x.ndim() == 0 || x.shape(-1) > group_size ||
-      mx::to_stream(s).device != mx::Device::gpu) {
+      mx::to_stream(s).device != mx::Device::gpu || mx::metal::is_available()) {
     return out;
   }
   mx::array dw = mx::dequantize(w, scales, biases, group_size, bits, mode, std::nullopt, out.dtype(), s);
