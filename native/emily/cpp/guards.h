@@ -1,6 +1,6 @@
-// Guards for MLX ops that crash on some arguments instead of throwing: they would kill
-// the whole VM, so the arguments are checked first. (The integer-division traps are
-// guarded in binary.h.)
+// Guards for MLX ops that crash on some arguments instead of throwing (they would kill
+// the whole VM, so the arguments are checked first) or return wrong values. (The
+// integer-division traps are guarded in binary.h.)
 #pragma once
 
 #include <cmath>
