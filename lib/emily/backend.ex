@@ -87,6 +87,11 @@ if Code.ensure_loaded?(Nx) do
     once by `Nx.backend_deallocate/1` (and by `Nx.backend_transfer/3` to another backend
     or device), after which the tensor raises `Emily.Error` if used (`Emily.release/1`).
 
+    Op by op, each intermediate result therefore stays allocated until its tensor is
+    collected: MLX cannot write the next result into a dropped intermediate's buffer, as
+    it does for Python code, and every large result takes fresh memory. Under `defn`
+    (`Emily.Compiler`) no tensor holds a graph's intermediates, and MLX reuses them.
+
     ## Debug checks
 
     With `config :emily, debug_bounds_check: true` (compile time, `Emily.Debug`), the
