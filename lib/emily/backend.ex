@@ -89,8 +89,9 @@ if Code.ensure_loaded?(Nx) do
 
     Op by op, each intermediate result therefore stays allocated until its tensor is
     collected: MLX cannot write the next result into a dropped intermediate's buffer, as
-    it does for Python code, and every large result takes fresh memory. Under `defn`
-    (`Emily.Compiler`) no tensor holds a graph's intermediates, and MLX reuses them.
+    it does for Python code, and every large result takes fresh memory. On
+    `Emily.Compiler`'s native path no tensor holds a graph's intermediates, and MLX
+    reuses them.
 
     ## Debug checks
 
