@@ -25,7 +25,8 @@ defmodule Emily.Stream do
 
   A stream lives as long as its handle or any tensor made on it. Then its worker thread
   goes back to an idle pool, with its MLX stream, and the next `new/1` of that device
-  takes it instead of starting a thread: MLX never reclaims a stream (nor, on the CPU,
+  takes it instead of starting a thread (its first jobs run once the thread has finished
+  the last stream's): MLX never reclaims a stream (nor, on the CPU,
   the OS thread that runs its kernels), so Emily keeps the set of threads that call MLX
   as small as the most streams alive at once, however many come and go
   (`thread_stats/1`).
@@ -121,8 +122,9 @@ defmodule Emily.Stream do
 
   @doc """
   `%{started: n, idle: n}`: the worker threads started so far for `device` and how many
-  of them wait, idle, for a new stream. `started` only grows while more streams are
-  alive at once than ever before.
+  of them are free for a new stream (a thread is free as soon as its stream is gone,
+  even while it still finishes that stream's last work). `started` only grows while more
+  streams are alive at once than ever before.
   """
   @spec thread_stats(device) :: %{started: non_neg_integer, idle: non_neg_integer}
   def thread_stats(device \\ Emily.default_device()) when device in [:cpu, :gpu] do

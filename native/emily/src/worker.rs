@@ -12,9 +12,10 @@
 //! Only evaluated arrays cross threads (`bridge::SendArray`).
 //!
 //! Dropping the last handle to a worker (its stream and every tensor made on it) closes
-//! its queue; the thread drains the queue, drops its arrays and compiled programs, and
-//! goes back to an idle pool with its MLX stream. The next new stream on that device takes
-//! an idle thread instead of starting one. MLX never reclaims a stream (nor, on the CPU,
+//! its queue and puts its thread back in an idle pool, with its MLX stream, at once; the
+//! thread drains the queue and drops its arrays and compiled programs before it takes its
+//! next session. The next new stream on that device takes an idle thread instead of
+//! starting one, even one still ending its last session. MLX never reclaims a stream (nor, on the CPU,
 //! the OS thread that runs its kernels), so reusing threads is what keeps the set of
 //! threads that call MLX bounded by the most streams ever alive at once, however many
 //! streams come and go. Each thread also makes its stream its MLX default, so that MLX
@@ -51,7 +52,7 @@ use std::collections::VecDeque;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, AtomicBool, AtomicUsize};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::Thread;
 
@@ -189,6 +190,8 @@ impl Session {
 pub struct Worker {
     queue: Arc<Queue<Queued>>,
     thread: Thread,
+    /// Hands the thread its next session; the thread takes it when this one is over.
+    handoff: Sender<Session>,
     sleeping: Arc<AtomicBool>,
     lazy: AtomicUsize,
     pub device: Device,
@@ -210,7 +213,8 @@ pub fn next_ids(n: usize) -> std::ops::Range<u64> {
     first..first + n as u64
 }
 
-/// An idle worker thread, waiting for its next session's queue.
+/// A worker thread whose stream is gone: waiting for its next session's queue, or still
+/// ending the last session (it takes the next one when done).
 struct Idle {
     device: Device,
     handoff: Sender<Session>,
@@ -302,10 +306,11 @@ impl Worker {
         let queue = Arc::new(Queue::default());
         let sleeping = Arc::new(AtomicBool::new(false));
         let name = format!("emily-{}-{}", device_name(device), NEXT_STREAM.fetch_add(1, Ordering::Relaxed));
-        let worker = |thread| {
+        let worker = |thread, handoff| {
             Arc::new(Worker {
                 queue: queue.clone(),
                 thread,
+                handoff,
                 sleeping: sleeping.clone(),
                 lazy: AtomicUsize::new(0),
                 device,
@@ -321,22 +326,23 @@ impl Worker {
             };
             let Some(idle) = reuse else { break };
             match idle.handoff.send(session) {
-                Ok(()) => return Ok(worker(idle.thread)),
+                Ok(()) => return Ok(worker(idle.thread, idle.handoff)),
                 // That thread is gone (it cannot be while the VM runs); try another.
                 Err(mpsc::SendError(back)) => session = back,
             }
         }
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), String>>();
+        let (handoff, next) = mpsc::channel::<Session>();
         let thread_name =
             format!("emily-{}-t{}", device_name(device), NEXT_THREAD.fetch_add(1, Ordering::Relaxed));
         let handle = std::thread::Builder::new()
             .name(thread_name)
-            .spawn(move || run(device, session, ready_tx))
+            .spawn(move || run(device, session, next, ready_tx))
             .map_err(|e| format!("cannot start worker thread: {e}"))?;
         match ready_rx.recv() {
             Ok(Ok(())) => {
                 THREADS[device as usize].fetch_add(1, Ordering::Relaxed);
-                Ok(worker(handle.thread().clone()))
+                Ok(worker(handle.thread().clone(), handoff))
             }
             Ok(Err(e)) => Err(e),
             Err(_) => Err("worker thread died while starting".into()),
@@ -371,9 +377,16 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        // Ends the session once the thread has run what is queued; nothing waits here.
+        // Ends the session once the thread has run what is queued; nothing waits here. The
+        // thread is free for a new stream now: a session handed to it waits for this one to
+        // end, so no stream starts a thread while a dropped one's is still busy.
         self.queue.close();
         self.thread.unpark();
+        idle().lock().unwrap().push(Idle {
+            device: self.device,
+            handoff: self.handoff.clone(),
+            thread: self.thread.clone(),
+        });
     }
 }
 
@@ -443,7 +456,7 @@ fn next_job(session: &mut Session, window: Option<std::time::Instant>) -> Option
     }
 }
 
-fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
+fn run(device: Device, first: Session, next: Receiver<Session>, ready: Sender<Result<(), String>>) {
     let stream = match ffi::device_available(device as i32) {
         Ok(true) => ffi::stream_new(device as i32).map_err(|e| e.what().to_string()),
         Ok(false) => Err(format!("device {device:?} is not available in this MLX build")),
@@ -494,8 +507,7 @@ fn run(device: Device, first: Session, ready: Sender<Result<(), String>>) {
         // async_eval nobody waited for) so that the next session starts clean.
         let _ = ffi::synchronize(&state.stream);
         BUSY.fetch_sub(1, Ordering::SeqCst);
-        let (handoff, next) = mpsc::channel::<Session>();
-        idle().lock().unwrap().push(Idle { device, handoff, thread: std::thread::current() });
+        // The worker's drop has listed this thread as idle already.
         match next.recv() {
             Ok(next) => session = next,
             Err(_) => break,
