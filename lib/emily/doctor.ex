@@ -27,9 +27,11 @@ defmodule Emily.Doctor do
   @spec run(keyword) :: :ok | :error
   def run(opts \\ []) do
     size = opts[:size] || 2048
+    site = mlx_site()
+    variant = variant(site)
 
     info(
-      "Emily #{Application.spec(:emily, :vsn)} on MLX #{Emily.mlx_version()} (variant: #{variant()})"
+      "Emily #{Application.spec(:emily, :vsn)} on MLX #{Emily.mlx_version()} (variant: #{variant})"
     )
 
     info("libmlx: #{loaded("libmlx") || "not loaded?"}")
@@ -40,8 +42,8 @@ defmodule Emily.Doctor do
 
     info("BLAS for MLX's CPU matmuls: #{blas()}")
 
-    if String.starts_with?(variant(), "cuda"),
-      do: info("CUDA headers for MLX's JIT: #{cuda_headers()}")
+    if String.starts_with?(variant, "cuda"),
+      do: info("CUDA headers for MLX's JIT: #{cuda_headers(site, variant)}")
 
     info("malloc for MLX's CPU buffers: #{malloc()}")
     info("polling after waited-for work: #{Emily.Stream.spin_us()} us (config :emily, spin_us)")
@@ -85,7 +87,8 @@ defmodule Emily.Doctor do
     three = N.full(stream, {}, 3.0, {:f, 32})
     one = N.full(stream, {}, 1.0, {:f, 32})
     Emily.eval([x, three, one])
-    chain = fn -> elementwise_chain(stream, [x, three, one]) end
+    program = elementwise_chain()
+    chain = fn -> hd(Emily.Program.eval(program, [x, three, one], stream: stream)) end
     Emily.eval(chain.())
     {us2, y} = time(chain)
     # Each of the four ops reads and writes m floats.
@@ -134,19 +137,16 @@ defmodule Emily.Doctor do
       false
   end
 
-  # As one program (what defn's native path runs), whose intermediates no tensor handle
-  # holds: MLX then writes each op's result into its input's buffer, as it does for
-  # Python code that drops them. Op by op, each result would stay allocated until the VM
-  # collects its handle, and every op would fault in 64 MiB of fresh pages.
-  defp elementwise_chain(stream, inputs) do
-    program =
-      Emily.Program.new(
-        [{:multiply, [0, 1]}, {:add, [3, 2]}, {:subtract, [4, 2]}, {:divide, [5, 1]}],
-        inputs: 3
-      )
-
-    [y] = Emily.Program.eval(program, inputs, stream: stream)
-    y
+  # ((x * three) + one - one) / three, of inputs [x, three, one], as one program (what
+  # defn's native path runs), whose intermediates no tensor handle holds: MLX then writes
+  # each op's result into its input's buffer, as it does for Python code that drops them.
+  # Op by op, each result would stay allocated until the VM collects its handle, and every
+  # op would fault in 64 MiB of fresh pages.
+  defp elementwise_chain do
+    Emily.Program.new(
+      [{:multiply, [0, 1]}, {:add, [3, 2]}, {:subtract, [4, 2]}, {:divide, [5, 1]}],
+      inputs: 3
+    )
   end
 
   # Collects first: the process's garbage from the warm-up still holds MLX buffers (a
@@ -169,10 +169,14 @@ defmodule Emily.Doctor do
     info("  #{if ok?, do: "ok  ", else: "FAIL"} #{what}: #{figure}")
   end
 
+  # The site-packages folder of the wheel libmlx came from (`mlx/lib/libmlx.so` in it).
+  defp mlx_site do
+    if path = loaded("libmlx"), do: path |> Path.dirname() |> Path.join("../..") |> Path.expand()
+  end
+
   # The wheel libmlx came from, read off the dist-info folder beside `mlx/`.
-  defp variant do
-    with path when is_binary(path) <- loaded("libmlx"),
-         site = path |> Path.dirname() |> Path.join("../..") |> Path.expand(),
+  defp variant(site) do
+    with site when is_binary(site) <- site,
          {:ok, entries} <- File.ls(site),
          wheel when is_binary(wheel) <-
            Enum.find(entries, &(&1 =~ ~r/^mlx_(cpu|cuda_1\d|metal)-.*dist-info$/)) do
@@ -187,9 +191,8 @@ defmodule Emily.Doctor do
 
   # The folder MLX 0.32 gives NVRTC for the CUDA runtime headers: the `nvidia-*` wheels'
   # beside its own, else $CUDA_HOME or $CUDA_PATH, else /usr/local/cuda.
-  defp cuda_headers do
-    site = loaded("libmlx") |> Path.dirname() |> Path.join("../..") |> Path.expand()
-    wheel = if variant() == "cuda12", do: "cuda_runtime", else: "cu13"
+  defp cuda_headers(site, variant) do
+    wheel = if variant == "cuda12", do: "cuda_runtime", else: "cu13"
     home = System.get_env("CUDA_HOME") || System.get_env("CUDA_PATH") || "/usr/local/cuda"
 
     dir =
