@@ -29,7 +29,6 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
 
 std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<array>(a); }
 
-
 void evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
   mx::eval(arrays);
   bool strided = false;
