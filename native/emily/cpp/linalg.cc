@@ -75,6 +75,13 @@ array int_bmm(const array& a, const array& b, const Stream& s) {
   return *acc;
 }
 
+// MLX's transpose makes a node even for the identity permutation.
+array transpose_if_moved(const array& a, const std::vector<int>& perm, const Stream& s) {
+  for (size_t i = 0; i < perm.size(); i++)
+    if (perm[i] != static_cast<int>(i)) return mx::transpose(a, perm, s);
+  return a;
+}
+
 }  // namespace
 
 array dot_general(const array& a, const std::vector<int>& contract_a, const std::vector<int>& batch_a,
@@ -120,14 +127,29 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
   perm_b.insert(perm_b.end(), cb.begin(), cb.end());
   perm_b.insert(perm_b.end(), fb.begin(), fb.end());
 
-  int nb = dims_product(a, ba), m = dims_product(a, fa), k = dims_product(a, ca), n = dims_product(b, fb);
-  auto at = mx::reshape(mx::transpose(a, perm_a, s), {nb, m, k}, s);
-  auto bt = mx::reshape(mx::transpose(b, perm_b, s), {nb, k, n}, s);
-
   auto type = mx::promote_types(a.dtype(), b.dtype());
+  bool inexact = mx::issubdtype(type, mx::inexact);
+
+  // Floating products keep the batch axes as they are, for matmul to broadcast over; the
+  // integer path wants one batch axis. Every step is skipped where it would not change
+  // the array, so that the common products (x·W, batched q·kᵀ) are one matmul node: each
+  // node costs a hand-off to the stream's thread when the graph is evaluated.
+  mx::Shape batch;
+  if (inexact) {
+    for (int ax : ba) batch.push_back(a.shape(ax));
+  } else {
+    batch.push_back(dims_product(a, ba));
+  }
+  int m = dims_product(a, fa), k = dims_product(a, ca), n = dims_product(b, fb);
+  mx::Shape shape_a(batch), shape_b(batch);
+  shape_a.insert(shape_a.end(), {m, k});
+  shape_b.insert(shape_b.end(), {k, n});
+  auto at = mx::reshape(transpose_if_moved(a, perm_a, s), shape_a, s);
+  auto bt = mx::reshape(transpose_if_moved(b, perm_b, s), shape_b, s);
+
   // MLX sums small integers into a wider type; the cast back keeps Nx's result type, and
   // the wrapped result is the same since products and sums wrap modulo the same 2^n.
-  auto out = mx::issubdtype(type, mx::inexact) ? mx::matmul(at, bt, s) : mx::astype(int_bmm(at, bt, s), type, s);
+  auto out = inexact ? mx::matmul(at, bt, s) : mx::astype(int_bmm(at, bt, s), type, s);
 
   mx::Shape shape;
   for (int ax : ba) shape.push_back(a.shape(ax));
