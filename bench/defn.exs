@@ -139,15 +139,21 @@ defmodule Bench.Defn do
     {instrs, n_inputs, outputs, extras, _template} =
       Emily.Compiler.Native.instructions_of(fun, args)
 
-    flat = Nx.Defn.Composite.flatten_list(args) ++ extras
+    # The parameters, then the extras: captured tensors and folded constants, as
+    # Emily tensors.
+    flat =
+      Enum.map(Nx.Defn.Composite.flatten_list(args), fn t ->
+        {Nx.to_binary(Nx.backend_copy(t, Nx.BinaryBackend)), t.shape, t.type}
+      end) ++ Enum.map(extras, &{Emily.to_binary(&1), Emily.shape(&1), Emily.dtype(&1)})
+
     ^n_inputs = length(flat)
     slug = String.replace(name, ~r/[^a-z0-9]+/, "_")
 
     inputs =
-      for {t, i} <- Enum.with_index(flat) do
+      for {{data, shape, type}, i} <- Enum.with_index(flat) do
         path = Path.join(dir, "#{slug}_in_#{i}.bin")
-        File.write!(path, Nx.to_binary(Nx.backend_copy(t, Nx.BinaryBackend)))
-        {path, t.shape, t.type}
+        File.write!(path, data)
+        {path, shape, type}
       end
 
     emily_args = Enum.map(args, &Nx.backend_copy(&1, Emily.Backend))

@@ -33,7 +33,7 @@ DTYPES = {
     "bool": "mx.bool_",
 }
 NP = {("f", 32): np.float32, ("f", 64): np.float64, ("s", 32): np.int32, ("s", 64): np.int64,
-      ("u", 8): np.uint8}
+      ("u", 8): np.uint8, "bool": np.bool_}
 
 # The op table's name is MLX's for these; their arguments are all tensors.
 ELEMENTWISE = {
@@ -51,17 +51,24 @@ def value(v):
 
 
 def dot_general(t, a, ca, ba, b, cb, bb, shape):
-    """Emily's `dot` (cpp/linalg.cc, dot_general): transpose, reshape, matmul, reshape."""
+    """Emily's `dot` (cpp/linalg.cc, dot_general): transpose, reshape, matmul, reshape,
+    each step left out where it would not change the array (as Emily does; MLX's own
+    reshape skips an unchanged shape, its transpose does not skip the identity)."""
     sa, sb = shape(a), shape(b)
     ca, ba = [x % len(sa) for x in ca], [x % len(sa) for x in ba]
     cb, bb = [x % len(sb) for x in cb], [x % len(sb) for x in bb]
     fa = [i for i in range(len(sa)) if i not in ca and i not in ba]
     fb = [i for i in range(len(sb)) if i not in cb and i not in bb]
     prod = lambda s, axes: math.prod(s[i] for i in axes)  # noqa: E731
-    nb, m, k, n = prod(sa, ba), prod(sa, fa), prod(sa, ca), prod(sb, fb)
-    out = tuple([sa[i] for i in ba] + [sa[i] for i in fa] + [sb[i] for i in fb])
-    at = f"mx.reshape(mx.transpose(t{a}, {ba + fa + ca}), {(nb, m, k)})"
-    bt = f"mx.reshape(mx.transpose(t{b}, {bb + cb + fb}), {(nb, k, n)})"
+    m, k, n = prod(sa, fa), prod(sa, ca), prod(sb, fb)
+    batch = [sa[i] for i in ba]
+    out = tuple(batch + [sa[i] for i in fa] + [sb[i] for i in fb])
+
+    def moved(x, perm):
+        return f"mx.transpose(t{x}, {perm})" if perm != sorted(perm) else f"t{x}"
+
+    at = f"mx.reshape({moved(a, ba + fa + ca)}, {tuple(batch + [m, k])})"
+    bt = f"mx.reshape({moved(b, bb + cb + fb)}, {tuple(batch + [k, n])})"
     return f"t{t} = mx.reshape(mx.matmul({at}, {bt}), {out})"
 
 
@@ -129,7 +136,7 @@ def main():
     mx.set_default_device(mx.cpu)
     for g in graphs:
         g["out"] = local(g["out"], sys.argv[1])
-        inputs = [mx.array(np.fromfile(local(path, sys.argv[1]), dtype=NP[tuple(d)]).reshape(shape))
+        inputs = [mx.array(np.fromfile(local(path, sys.argv[1]), dtype=NP[d]).reshape(shape))
                   for path, shape, d in g["inputs"]]
         mx.eval(inputs)
         fun, source = build(g, inputs)

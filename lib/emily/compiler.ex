@@ -88,8 +88,6 @@ if Code.ensure_loaded?(Nx) do
 
       case lowered(key, vars, fun, opts, device) do
         {:ok, {program, extras, template, checks}} ->
-          extras = Enum.map(extras, & &1.data.ref)
-
           fn args_list ->
             Enum.map(args_list, &run_native(program, extras, template, checks, &1, opts))
           end

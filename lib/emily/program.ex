@@ -72,6 +72,21 @@ defmodule Emily.Program do
   @type t :: reference()
   @type instruction :: {atom, list}
 
+  for file <- Emily.Native.Table.files(), do: @external_resource(file)
+
+  # For each generated op, the positions of its tensor arguments and their kinds.
+  @tensor_args Map.new(
+                 for(row <- Emily.Native.Table.rows(), row.kind == :generated, do: row),
+                 fn row ->
+                   positions =
+                     for {{_name, type}, i} <- Enum.with_index(row.args),
+                         type in ~w(tensor tensor? tensors),
+                         do: {i, type}
+
+                   {row.name, positions}
+                 end
+               )
+
   @doc """
   Builds a program from `instructions`. Options: `:inputs` (required, the number of
   input slots), `:outputs` (slots to return; default the last instruction's outputs),
@@ -137,6 +152,32 @@ defmodule Emily.Program do
   """
   @spec ops() :: [{atom, pos_integer, pos_integer}]
   def ops, do: Emily.Native.op_table()
+
+  @doc """
+  The slots `instruction` reads, in the order of its arguments (an op's `tensor`,
+  `tensor?` and `tensors` arguments, as the op table declares them).
+  """
+  @spec input_slots(instruction) :: [non_neg_integer]
+  def input_slots({op, args}) do
+    for {i, _type} <- Map.fetch!(@tensor_args, op),
+        slot <- List.wrap(Enum.at(args, i)),
+        do: slot
+  end
+
+  @doc """
+  `instruction` with each slot it reads replaced by `fun.(slot)`.
+  """
+  @spec map_slots(instruction, (non_neg_integer -> non_neg_integer)) :: instruction
+  def map_slots({op, args}, fun) do
+    args =
+      Enum.reduce(Map.fetch!(@tensor_args, op), args, fn
+        {i, "tensors"}, args -> List.update_at(args, i, &Enum.map(&1, fun))
+        {i, "tensor?"}, args -> List.update_at(args, i, &(&1 && fun.(&1)))
+        {i, "tensor"}, args -> List.update_at(args, i, fun)
+      end)
+
+    {op, args}
+  end
 
   defp last_outputs([], _inputs), do: []
 

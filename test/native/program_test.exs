@@ -206,4 +206,22 @@ defmodule Emily.ProgramTest do
       assert outputs == if(is_integer(row.outputs), do: row.outputs, else: 0)
     end
   end
+
+  test "input_slots/1 and map_slots/2 follow the op table's tensor arguments" do
+    dot = {:dot, [3, [1], [], 4, [0], []]}
+    assert Program.input_slots(dot) == [3, 4]
+    assert Program.map_slots(dot, &(&1 + 10)) == {:dot, [13, [1], [], 14, [0], []]}
+
+    cat = {:concatenate, [[0, 2, 1], 1]}
+    assert Program.input_slots(cat) == [0, 2, 1]
+    assert Program.map_slots(cat, &(&1 * 2)) == {:concatenate, [[0, 4, 2], 1]}
+
+    clip = {:clip, [5, nil, 2]}
+    assert Program.input_slots(clip) == [5, 2]
+    assert Program.map_slots(clip, &(&1 + 1)) == {:clip, [6, nil, 3]}
+
+    full = {:full, [{2, 2}, 1.0, {:f, 32}]}
+    assert Program.input_slots(full) == []
+    assert Program.map_slots(full, fn _ -> flunk("no slot") end) == full
+  end
 end

@@ -120,24 +120,61 @@ if Code.ensure_loaded?(Nx) do
       x = O.tensor({2, 3}, {:f, 32})
       i = Nx.tensor([[0, 1, 2], [-3, 4, 5]], type: :s32)
 
-      {instrs, 2, outputs, [], _template} =
+      {instrs, 3, outputs, [one], _template} =
         Emily.Compiler.Native.instructions_of(&duplicates/2, [x, i])
 
-      # Slots 0 and 1 are x and i. Without the reuse: 12 instructions (a second
-      # astype and subtract for `x - 1`, three casts of i).
+      # Slots 0 and 1 are x and i, slot 2 the constant 1 cast to f32 (folded). Without
+      # the reuse: 10 instructions (a second subtract for `x - 1`, three casts of i).
+      assert Emily.to_list(one) == [1.0]
+      assert Emily.dtype(one) == {:f, 32}
+
       assert instrs == [
-               {:full, [{}, 1, {:s, 32}]},
-               {:astype, [2, {:f, 32}]},
-               {:subtract, [0, 3]},
-               {:multiply, [4, 4]},
+               {:subtract, [0, 2]},
+               {:multiply, [3, 3]},
                {:astype, [1, {:f, 32}]},
-               {:add, [5, 6]},
-               {:add, [0, 6]},
-               {:multiply, [8, 6]}
+               {:add, [4, 5]},
+               {:add, [0, 5]},
+               {:multiply, [7, 5]}
              ]
 
-      assert outputs == [7, 9]
+      assert outputs == [6, 8]
       check_paths(&duplicates/2, [x, i])
+    end
+
+    test "what reads no input is computed once, at lowering" do
+      x = O.tensor({4, 4}, {:f, 32})
+      {instrs, inputs, outputs, consts, _} = Emily.Compiler.Native.instructions_of(&masked/1, [x])
+
+      # The mask (two iotas, a comparison, their casts) and the scalars are inputs now.
+      ops = Enum.map(instrs, &elem(&1, 0))
+      refute Enum.any?(ops, &(&1 in [:arange, :full, :greater_equal]))
+      assert inputs == 1 + length(consts)
+
+      # The iota outputs read the folded values directly.
+      assert Enum.count(outputs, &(&1 in 1..length(consts))) == 2
+      check_paths(&masked/1, [x])
+    end
+
+    defn(big_constant(x), do: x + Nx.iota({512, 1024}, axis: 1))
+
+    test "a folded value over 1 MiB is computed on each run instead" do
+      x = O.tensor({512, 1024}, {:f, 32})
+      {instrs, inputs, _, consts, _} = Emily.Compiler.Native.instructions_of(&big_constant/1, [x])
+
+      # The 2 MiB broadcast (and the cast after it) stays in the program; the 4 KiB row
+      # it broadcasts is folded.
+      assert Enum.map(instrs, &elem(&1, 0)) == [:broadcast_to, :astype, :add]
+      assert inputs == 2
+      assert [row] = consts
+      assert Emily.shape(row) == {1, 1024}
+
+      # Exact: each sum is one f32 rounding on every path (the whole tensor is too large
+      # for check_paths' element-wise report).
+      expected =
+        Nx.add(Nx.backend_copy(x, Nx.BinaryBackend), Nx.iota({512, 1024}, axis: 1))
+        |> Nx.to_binary()
+
+      for out <- native_results(&big_constant/1, [x]), do: assert(Nx.to_binary(out) == expected)
     end
 
     test "lowers once and replays per run with new inputs" do

@@ -36,7 +36,8 @@ if Code.ensure_loaded?(Nx) do
 
     @doc false
     # Lowers `fun.(vars)`. Returns `{program, extras, output, checks}`: extras are the
-    # captured tensors (as Emily tensors on `device`) passed after the parameters, output
+    # Emily tensors passed after the parameters (the captured tensors, copied to
+    # `device`, then the folded constants; see `fold_constants/2`), output
     # the result container of templates, checks the `{op, template}` of each result
     # whose count of non-finite values the program returns after the outputs (under
     # :debug_detect_nan_inf; see `check_finite!/2`). Throws `{:unsupported, reason}`.
@@ -136,13 +137,88 @@ if Code.ensure_loaded?(Nx) do
 
       checks = Enum.reverse(st.checks)
 
-      %{
+      fold_constants(%{
         instrs: Enum.reverse(st.instrs),
         inputs: params + length(extras),
         outputs: slots ++ Enum.map(checks, &elem(&1, 0)),
-        extras: extras,
+        extras: Enum.map(extras, & &1.data.ref),
         template: template,
-        checks: Enum.map(checks, fn {_slot, op, t} -> {op, t} end)
+        checks: Enum.map(checks, fn {_slot, op, t} -> {op, t} end),
+        device: device
+      })
+    end
+
+    # Instructions that read no input, directly or through others (constants, iotas and
+    # what is computed from them alone), give the same values on every run. They run
+    # once, here, and the program reads each value it needs as one more input (an
+    # evaluated array, as Python MLX's scalar operands are): left in, each would cost
+    # every run a step of MLX's evaluation, a hand-off to the stream's thread. A value
+    # over @max_folded bytes is not kept (the compiled function would hold it): the
+    # instruction stays in the program, reading the folded values it needs. The lowering
+    # emits one slot per instruction. If MLX rejects the constant part, nothing is
+    # folded, so that the error comes from the run, naming its instruction.
+    @max_folded 1_048_576
+
+    defp fold_constants(lowered, kept \\ MapSet.new()) do
+      %{instrs: instrs, inputs: n, outputs: outputs, device: device} = lowered
+      indexed = Enum.with_index(instrs, n)
+
+      const =
+        Enum.reduce(indexed, MapSet.new(), fn {instr, slot}, const ->
+          if slot in kept or not Enum.all?(Emily.Program.input_slots(instr), &(&1 in const)),
+            do: const,
+            else: MapSet.put(const, slot)
+        end)
+
+      {folded, live} = Enum.split_with(indexed, fn {_instr, slot} -> slot in const end)
+
+      needed =
+        live
+        |> Enum.flat_map(fn {instr, _slot} -> Emily.Program.input_slots(instr) end)
+        |> Enum.concat(outputs)
+        |> Enum.filter(&(&1 in const))
+        |> Enum.uniq()
+
+      with [_ | _] <- folded,
+           {:ok, values} <- run_folded(folded, needed, device) do
+        case for {slot, v} <- Enum.zip(needed, values), Emily.nbytes(v) > @max_folded, do: slot do
+          [] -> refold(lowered, live, needed, values)
+          big -> fold_constants(lowered, MapSet.union(kept, MapSet.new(big)))
+        end
+      else
+        _ -> lowered
+      end
+    end
+
+    defp run_folded(folded, needed, device) do
+      index = folded |> Enum.with_index(fn {_instr, slot}, i -> {slot, i} end) |> Map.new()
+      slot = &Map.fetch!(index, &1)
+      instrs = Enum.map(folded, fn {instr, _} -> Emily.Program.map_slots(instr, slot) end)
+      program = Emily.Program.new(instrs, inputs: 0, outputs: Enum.map(needed, slot))
+      {:ok, Emily.Program.eval(program, [], stream: Emily.Stream.default(device))}
+    rescue
+      Emily.Error -> :error
+    end
+
+    # The program without the folded instructions: inputs, then the folded values it
+    # reads, then its own instructions' slots.
+    defp refold(lowered, live, needed, values) do
+      n = lowered.inputs
+      index = needed |> Enum.with_index(n) |> Map.new()
+
+      index =
+        live
+        |> Enum.with_index(n + length(needed))
+        |> Enum.reduce(index, fn {{_instr, slot}, new}, index -> Map.put(index, slot, new) end)
+
+      renumber = fn slot -> if slot < n, do: slot, else: Map.fetch!(index, slot) end
+
+      %{
+        lowered
+        | instrs: Enum.map(live, fn {instr, _} -> Emily.Program.map_slots(instr, renumber) end),
+          inputs: n + length(needed),
+          outputs: Enum.map(lowered.outputs, renumber),
+          extras: lowered.extras ++ values
       }
     end
 
