@@ -190,7 +190,10 @@ defmodule Emily do
   # The worker's reply to `ref`. With `Emily.Stream.set_spin/1`, polls the mailbox for a
   # while first: a process that blocks in `receive` lets its scheduler thread sleep, and
   # waking it costs the OS several microseconds, which is most of a small op's round trip.
-  defp await(ref) do
+  @doc false
+  # Waits for the `{ref, result}` reply of a native call (polling first, see
+  # `Emily.Stream.set_spin/1`) and returns its value or raises its error.
+  def await(ref) do
     case Emily.Stream.spin_us() do
       0 -> receive do: ({^ref, result} -> unwrap!(result))
       us -> poll(ref, System.monotonic_time(:microsecond) + us)

@@ -29,10 +29,15 @@ if Code.ensure_loaded?(Nx) do
     else (`while`, `cond`, hooks, tokens, other blocks, other ops, other types,
     vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
-    (`{:op, op}`, `{:type, type}`, ...). With `:debug_detect_nan_inf` (`Emily.Debug`),
-    the program also counts the non-finite values of each result `Emily.Backend` would
-    check (`dot`, and `Emily.Fast`'s norms and attention), and the run raises as the
-    backend would. The evaluator path stays the default.
+    (`{:op, op}`, `{:type, type}`, ...). What reads no input (constants, iotas and what
+    is computed from them alone, such as a causal mask) is computed once, when the
+    graph is lowered, and held by the compiled function as one more input of the
+    program, so that runs do not recompute it: each value up to 1 MiB; a larger one is
+    computed on every run from the smaller values it is made from. With
+    `:debug_detect_nan_inf` (`Emily.Debug`), the program also counts the non-finite
+    values of each result `Emily.Backend` would check (`dot`, and `Emily.Fast`'s norms
+    and attention), and the run raises as the backend would. The evaluator path stays
+    the default.
 
     ## Options
 

@@ -51,16 +51,25 @@ defmodule Emily.Program do
   A program is immutable and can be run on many streams, concurrently.
 
   `eval/3` returns the outputs evaluated. When every input is evaluated already, it
-  builds and evaluates the whole graph inside one call on a dirty CPU scheduler (on
-  that thread's own MLX stream of the stream's device), instead of queueing it on the
-  stream's worker and waiting for the worker's reply: for a small graph these two
-  thread hand-offs cost more than the graph itself. Errors raise there and then. The
-  outputs are tensors of the given stream, like `run/3`'s. A lazy input is evaluated
-  first (on its own stream); a compiled program runs on the stream's worker, where its
-  compiled function lives. Each call holds a dirty CPU scheduler for as long as the
-  graph takes (the VM has one per core): callers beyond that number wait their turn,
-  and other libraries' dirty NIFs with them, so a long GPU graph from many processes
-  at once is better served by `run/3` on a few streams.
+  builds and evaluates the whole graph inside one call, on the calling thread's own MLX
+  stream of the stream's device, instead of queueing it on the stream's worker and
+  waiting for the worker's reply: for a small graph these two thread hand-offs cost
+  more than the graph itself. Errors raise there and then. The outputs are tensors of
+  the given stream, like `run/3`'s. A lazy input is evaluated first (on its own
+  stream); a compiled program runs on the stream's worker, where its compiled function
+  lives.
+
+  Which thread: a program of at most 128 instructions on the CPU device, while MLX has
+  no other evaluation in flight, is built on the caller's own (normal) scheduler, which
+  then sleeps on MLX's evaluation for at most about a millisecond (two at worst); a
+  longer evaluation goes on while the caller waits for its message, the scheduler free
+  for other processes. Any other program runs on a dirty CPU scheduler, which it holds
+  for as long as the graph takes (the VM has one per core): callers beyond that number
+  wait their turn, and other libraries' dirty NIFs with them, so a long GPU graph from
+  many processes at once is better served by `run/3` on a few streams. The first path
+  exists because a dirty call leaves the caller's scheduler without work: it
+  busy-waits, taking a core from MLX's and BLAS's threads, then sleeps and must be
+  woken (on two cores, 10-20% of a 100 us graph; `bench/README.md`).
 
   With `compile: true`, the first run on each stream traces the program and compiles it
   with `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the
@@ -126,14 +135,33 @@ defmodule Emily.Program do
       Emily.evaluate(outputs)
       outputs
     else
-      case Emily.Native.program_eval(stream, program, inputs) do
-        outputs when is_list(outputs) ->
-          outputs
-
+      case eval_here(stream, program, inputs) do
         :pending ->
           Emily.evaluate(inputs)
-          Emily.Native.program_eval(stream, program, inputs)
+          eval_here(stream, program, inputs)
+
+        outputs ->
+          outputs
       end
+    end
+  end
+
+  # Inputs evaluated, program not compiled: on the calling process's own scheduler when
+  # the program qualifies (`program_eval_async`: small, on the CPU), on a dirty CPU
+  # scheduler otherwise. `:pending` when an input is lazy.
+  defp eval_here(stream, program, inputs) do
+    ref = make_ref()
+
+    case Emily.Native.program_eval_async(stream, program, inputs, ref) do
+      :dirty ->
+        Emily.Native.program_eval(stream, program, inputs)
+
+      outputs when is_list(outputs) ->
+        outputs
+
+      pending ->
+        :ok = Emily.await(ref)
+        Emily.Native.program_eval_take(pending)
     end
   end
 

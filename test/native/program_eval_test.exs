@@ -1,6 +1,7 @@
 defmodule Emily.ProgramEvalTest do
-  # Program.eval/3: a program built and evaluated inside the call, on the calling dirty
-  # scheduler's own MLX stream, when its inputs are evaluated.
+  # Program.eval/3: a program built and evaluated inside the call, on the calling
+  # scheduler's own MLX stream (a normal one for a small CPU program, a dirty one
+  # otherwise), when its inputs are evaluated.
   use Emily.TestCase, async: false
 
   alias Emily.Program
@@ -107,6 +108,102 @@ defmodule Emily.ProgramEvalTest do
     st = Emily.Stream.new(:cpu)
     Emily.Stream.release(st)
     assert_raise ArgumentError, ~r/released/, fn -> Program.eval(p, [x], stream: st) end
+  end
+
+  # A 2048^3 f32 matmul: 17 GFLOP outlast the CPU call's wait (about a millisecond) on
+  # any CPU. Small integers, so every product and sum is exact in f32.
+  defp big do
+    x =
+      Emily.from_binary(
+        :binary.copy(for(v <- 0..7, into: <<>>, do: <<v::32-float-little>>), div(2048 * 2048, 8)),
+        {2048, 2048},
+        {:f, 32}
+      )
+
+    Emily.eval(x)
+    x
+  end
+
+  # `program_eval_async` declines (`:dirty`) while MLX has much work in flight (another
+  # test's): retried until it takes the program.
+  defp when_idle(call, tries \\ 1000) do
+    case call.() do
+      :dirty when tries > 0 ->
+        Process.sleep(10)
+        when_idle(call, tries - 1)
+
+      result ->
+        result
+    end
+  end
+
+  test "on the CPU a small program is evaluated in the call, without a dirty scheduler" do
+    ins = inputs()
+    Emily.eval(ins)
+    p = Program.new(Sample.instructions(), inputs: 3)
+    ref = make_ref()
+
+    # Evaluated within the call's wait (the outputs), or past it (a pending evaluation
+    # and a message), depending on the machine's load: both give the same tensors.
+    outs =
+      case when_idle(fn -> N.program_eval_async(s(), p, ins, ref) end) do
+        outs when is_list(outs) ->
+          outs
+
+        pending ->
+          assert_receive {^ref, :ok}, 5_000
+          N.program_eval_take(pending)
+      end
+
+    assert [out] = outs
+    assert_close(l(out), Sample.expected())
+    assert {:ok, _} = N.to_binary(make_ref(), out)
+  end
+
+  test "a graph that outlasts the wait comes back by message, errors too" do
+    x = big()
+    p = Program.new([{:matmul, [0, 0]}, {:slice, [1, [5, 0], [6, 16], [1, 1]]}], inputs: 1)
+    ref = make_ref()
+    pending = when_idle(fn -> N.program_eval_async(s(), p, [x], ref) end)
+    assert is_reference(pending)
+    assert_raise ArgumentError, ~r/not finished/, fn -> N.program_eval_take(pending) end
+    assert_receive {^ref, :ok}, 60_000
+    [row] = N.program_eval_take(pending)
+    assert_raise ArgumentError, ~r/taken already/, fn -> N.program_eval_take(pending) end
+    # x[i][k] = k mod 8, so (x . x)[i][j] = sum over k of (k mod 8) * (j mod 8)
+    # = (j mod 8) * 256 * (0 + ... + 7).
+    assert l(row) == for(j <- 0..15, do: rem(j, 8) * 256 * 28.0)
+
+    # An error met on MLX's thread (a singular matrix) arrives the same way, and the
+    # stream goes on.
+    z = t([0.0, 0.0, 0.0, 0.0], {:f, 32}, {2, 2})
+    Emily.eval(z)
+    bad = Program.new([{:matmul, [0, 0]}, {:inv, [1]}], inputs: 2, outputs: [2, 3])
+    e = assert_raise Emily.Error, fn -> Program.eval(bad, [x, z]) end
+    assert e.message =~ "program_eval"
+    assert e.message =~ "f32[2048x2048], f32[2x2]"
+    assert l(hd(Program.eval(Program.new([{:exp, [0]}], inputs: 1), [z]))) == [1.0, 1.0, 1.0, 1.0]
+  end
+
+  test "a caller that dies while MLX evaluates leaves nothing behind" do
+    x = big()
+    p = Program.new([{:matmul, [0, 0]}], inputs: 1)
+    parent = self()
+
+    {pid, mon} =
+      spawn_monitor(fn ->
+        pending = when_idle(fn -> N.program_eval_async(s(), p, [x], make_ref()) end)
+        send(parent, {:pending, is_reference(pending)})
+        Process.sleep(:infinity)
+      end)
+
+    assert_receive {:pending, true}, 10_000
+    Process.exit(pid, :kill)
+    assert_receive {:DOWN, ^mon, :process, ^pid, :killed}
+    ins = inputs()
+    Emily.eval(ins)
+    [out] = Program.eval(Program.new(Sample.instructions(), inputs: 3), ins)
+    assert_close(l(out), Sample.expected())
   end
 
   test "many processes at once, each on its own stream or all on one" do

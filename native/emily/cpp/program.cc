@@ -5,7 +5,9 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "emily/src/bridge.rs.h"
 #include "mlx/compile_impl.h"
+#include "mlx/scheduler.h"
 #include "ops.h"
 
 namespace emily {
@@ -76,6 +78,35 @@ std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec
   out->items = replay(p, inputs.items, s);
   evaluate_row_contiguous(out->items, s);
   return out;
+}
+
+std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
+  Stream s = mx::default_stream(mx::Device::cpu);
+  auto out = std::make_unique<ArrayVec>();
+  out->items = replay(p, inputs.items, s);
+  // Outputs leave as plain bytes. Whether one is row-contiguous is known only once it is
+  // computed, so the graph ends in MLX's `contiguous`, which shares the buffer when it is.
+  // An input passed through is contiguous already.
+  for (auto& a : out->items)
+    if (a.has_primitive()) a = mx::contiguous(a, false, s);
+  mx::async_eval(out->items);
+  // Runs after every task of this evaluation (a CPU stream runs its tasks in order),
+  // holding the outputs until then. std::function wants a copyable callable.
+  auto d = std::make_shared<rust::Box<EvalDone>>(std::move(done));
+  mx::scheduler::enqueue(s, [d, s, keep = out->items]() {
+    std::string error;
+    try {
+      mx::scheduler::check_error(s);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    eval_done(std::move(*d), error);
+  });
+  return out;
+}
+
+bool mlx_idle() {
+  return mx::scheduler::n_active_tasks() == 0 && mx::get_active_memory() < mx::get_memory_limit();
 }
 
 Compiled::~Compiled() { mx::detail::compile_erase(mx::detail::compile_cache(), id); }

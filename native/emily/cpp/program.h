@@ -48,6 +48,17 @@ std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inp
 // Replays and evaluates on the calling thread's own default stream of `device`: the
 // outputs come back evaluated and row-contiguous, so they may cross threads.
 std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device);
+// The CPU device's asynchronous form of program_eval_here: replays on the calling
+// thread's own default CPU stream, hands the evaluation to MLX's thread for that stream
+// and returns the outputs at once (made row-contiguous by the graph itself). When they
+// are computed, MLX's thread calls `eval_done` (src/ops/program.rs) with the stream's
+// error, if any. Nothing may read the outputs before then.
+struct EvalDone;
+std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done);
+// Whether MLX has no evaluation in flight (on any stream) and memory under its limit:
+// then an asynchronous evaluation of a small graph never waits inside MLX for others.
+bool mlx_idle();
+
 std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s);
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
 

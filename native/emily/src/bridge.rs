@@ -6,6 +6,11 @@ pub mod ffi {
         /// Called at process exit: waits (boundedly) for running jobs to finish, and
         /// keeps workers from starting new ones.
         fn quiesce_workers();
+
+        /// The end of an asynchronous evaluation (src/ops/program.rs): called on MLX's
+        /// stream thread once the outputs are computed, with its error ("" if none).
+        type EvalDone;
+        fn eval_done(done: Box<EvalDone>, error: &str);
     }
 
     unsafe extern "C++" {
@@ -75,6 +80,12 @@ pub mod ffi {
         fn program_spec_outputs(p: Pin<&mut ProgramSpec>, slots: &[u32]);
         fn program_call(p: &ProgramSpec, inputs: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
         fn program_eval_here(p: &ProgramSpec, inputs: &ArrayVec, device: i32) -> Result<UniquePtr<ArrayVec>>;
+        fn program_eval_async(
+            p: &ProgramSpec,
+            inputs: &ArrayVec,
+            done: Box<EvalDone>,
+        ) -> Result<UniquePtr<ArrayVec>>;
+        fn mlx_idle() -> bool;
         fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
 
@@ -98,6 +109,8 @@ pub fn array_vec<'a>(arrays: impl ExactSizeIterator<Item = &'a ffi::Array>) -> c
     }
     v
 }
+
+use crate::ops::program::{eval_done, EvalDone};
 
 fn quiesce_workers() {
     crate::worker::quiesce(std::time::Duration::from_secs(5));

@@ -10,6 +10,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 pub mod bridge;
+pub mod deadline;
 pub mod dtype;
 pub mod error;
 pub mod ops;
@@ -20,7 +21,7 @@ pub mod term;
 pub mod worker;
 
 pub(crate) mod atoms {
-    rustler::atoms! { ok, error, cpu, gpu, already_released, pending }
+    rustler::atoms! { ok, error, cpu, gpu, already_released, pending, dirty }
 }
 
 rustler::init!("Elixir.Emily.Native");

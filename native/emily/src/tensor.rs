@@ -165,6 +165,11 @@ fn record_evaluated(st: &mut State, t: &TensorArg, a: cxx::UniquePtr<ffi::Array>
 }
 
 pub fn mlx_error(op: &str, e: cxx::Exception, inputs: &[&ffi::Array]) -> Error {
+    mlx_error_message(op, e.what(), inputs)
+}
+
+/// `mlx_error` for a message MLX reported some other way (an asynchronous evaluation's).
+pub fn mlx_error_message(op: &str, message: &str, inputs: &[&ffi::Array]) -> Error {
     let described: Vec<(Vec<i32>, String)> = inputs
         .iter()
         .map(|a| {
@@ -174,7 +179,7 @@ pub fn mlx_error(op: &str, e: cxx::Exception, inputs: &[&ffi::Array]) -> Error {
             (ffi::array_shape(a), dt)
         })
         .collect();
-    Error::Mlx { op: op.into(), message: e.what().to_string(), inputs: crate::error::describe(&described) }
+    Error::Mlx { op: op.into(), message: message.to_string(), inputs: crate::error::describe(&described) }
 }
 
 /// `from_binary(stream, binary, shape, dtype)`: one copy into a new MLX array.

@@ -24,8 +24,11 @@
 //! One path bypasses the workers: `program_eval` (src/ops/program.rs) builds and
 //! evaluates a whole program inside one dirty-scheduler NIF call, on that thread's own
 //! default stream, from evaluated inputs, so nothing lazy outlives the call or crosses a
-//! thread. The dirty CPU schedulers are a fixed set of threads, so the streams they
-//! leave behind stay few. `run_busy` counts such a call in the exit guard below.
+//! thread; `program_eval_async` does the same for a small CPU program on a normal
+//! scheduler, and may leave MLX's thread to finish the evaluation (its outputs are read
+//! only once that thread says they are computed). The schedulers are a fixed set of
+//! threads, so the streams they leave behind stay few. `run_busy` and `Busy` count such
+//! calls and evaluations in the exit guard below.
 //!
 //! ## Cross-stream inputs, and why they cannot deadlock
 //!
@@ -270,6 +273,22 @@ pub fn run_busy<R>(f: impl FnOnce() -> R) -> R {
     let f = enter_busy(f);
     let _done = Done;
     f()
+}
+
+/// Counts work that MLX goes on with after a NIF returned (an asynchronous evaluation)
+/// as busy until dropped, so that process exit waits for it too.
+pub struct Busy(());
+
+impl Busy {
+    pub fn enter() -> Busy {
+        enter_busy(Busy(()))
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        BUSY.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Runs `job`, unless the process is exiting (see `enter_busy`).

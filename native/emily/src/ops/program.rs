@@ -12,14 +12,16 @@
 //! worker's state under the program's id (never reused), and erased there when the
 //! program is garbage: MLX's compile cache is thread-local.
 use crate::bridge::ffi;
+use crate::bridge::SendArray;
 use crate::error::{argument_error, Error};
 use crate::ops::{check_outputs, put_outputs, Args, Inputs};
 use crate::stream::{released_error, StreamArg};
-use crate::tensor::{mlx_error, TensorArg, TensorResource};
+use crate::tensor::{mlx_error, Reply, TensorArg, TensorResource};
 use crate::term::{short, List};
-use crate::worker::{next_id, State, Worker};
+use crate::worker::{next_id, Busy, Device, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 include!(concat!(env!("OUT_DIR"), "/program_table.rs"));
 
@@ -306,6 +308,201 @@ fn program_eval<'a>(
         Ok(outs) => Ok(outs.encode(env)),
         Err(e) => Err(crate::error::raise(&e)),
     }
+}
+
+/// Programs of at most this many instructions may take `program_eval_async`: building
+/// and handing their graph to MLX keeps a normal scheduler for microseconds per
+/// instruction (the evaluation itself runs on MLX's thread).
+const ASYNC_MAX_INSTRUCTIONS: usize = 128;
+
+/// How long `program_eval_async` may keep its normal scheduler, building included: the
+/// VM's guideline for a NIF call (met to within the deadline thread's tick).
+const ASYNC_WAIT: Duration = Duration::from_millis(1);
+
+/// `program_eval_async(stream, program, inputs, ref)`: `program_eval` without the dirty
+/// scheduler, for a graph on the CPU device (not compiled, evaluated inputs, at most
+/// `ASYNC_MAX_INSTRUCTIONS`), while MLX has no other evaluation in flight. It builds the
+/// graph here, on this scheduler thread's own MLX stream, and hands its evaluation to
+/// MLX's thread for that stream. If the outputs are computed within `ASYNC_WAIT` of the
+/// call, it returns them (or raises their error). Otherwise it returns a pending
+/// evaluation: MLX's thread sends `{ref, :ok}` or `{ref, {:error, exception}}` when the
+/// outputs are computed, and `program_eval_take/1` then returns them. Returns `:dirty`
+/// when the program does not qualify (the caller then uses `program_eval`).
+///
+/// Why: during a dirty call the caller's scheduler has no work, and it busy-waits before
+/// it sleeps, taking a core from MLX's and OpenBLAS's threads; then it must be woken
+/// again. On two cores that cost a ~100 us graph 10-20% (bench/README.md). Here the
+/// scheduler thread sleeps on the evaluation as Python's does, for at most `ASYNC_WAIT`
+/// (see src/deadline.rs for why the sleep has no timeout of its own).
+/// MLX's rules hold as for `program_eval`: the graph is built and evaluated on one
+/// thread's stream, only evaluated arrays leave it, and the VM's normal schedulers are a
+/// fixed set of threads. Handing a graph to MLX waits for others' work only past ten
+/// task groups in flight (MLX counts one per ten CPU ops, over all streams), or with
+/// memory over its limit: `mlx_idle` checks both first, and the instruction bound keeps
+/// this graph's own ops below that. Work still queued on this thread's stream (a
+/// caller's that stopped waiting) delays only the evaluation, not the NIF's return.
+#[rustler::nif]
+fn program_eval_async<'a>(
+    env: Env<'a>,
+    stream: StreamArg,
+    program: ResourceArc<ProgramResource>,
+    inputs: List<TensorArg>,
+    reference: Term<'a>,
+) -> NifResult<Term<'a>> {
+    const OP: &str = "program_eval";
+    let start = Instant::now();
+    let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
+    if worker.device != Device::Cpu || program.compile || program.n_instrs > ASYNC_MAX_INSTRUCTIONS {
+        return Ok(crate::atoms::dirty().encode(env));
+    }
+    let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
+    let Some(evaluated) = evaluated.filter(|_| ffi::mlx_idle()) else {
+        return Ok(crate::atoms::dirty().encode(env));
+    };
+    let pending =
+        ResourceArc::new(PendingEval { worker, outputs: Mutex::new(None), completion: Arc::default() });
+    let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
+    let done = Box::new(EvalDone {
+        reply: Reply::new(env, reference),
+        completion: pending.completion.clone(),
+        inputs: evaluated.clone(),
+        _busy: Busy::enter(),
+    });
+    let out =
+        crate::worker::run_busy(|| ffi::program_eval_async(&program.spec.0, &v, done)).map_err(|e| {
+            let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
+            crate::error::raise(&mlx_error(OP, e, &refs))
+        })?;
+    check_outputs(OP, &out, program.outputs).map_err(|e| crate::error::raise(&e))?;
+    *pending.outputs.lock().unwrap() = Some(out);
+
+    let c = &pending.completion;
+    let weak = Arc::downgrade(c);
+    let _ticket = crate::deadline::watch(start + ASYNC_WAIT, weak);
+    let mut progress =
+        c.finished.wait_while(c.progress.lock().unwrap(), |p| p.result.is_none() && !p.expired).unwrap();
+    rustler::schedule::consume_timeslice(env, (start.elapsed().as_micros() / 10).min(100) as i32);
+    match progress.result.take() {
+        Some(Ok(())) => {
+            drop(progress);
+            Ok(take_outputs(&pending)?.encode(env))
+        }
+        Some(Err(e)) => Err(crate::error::raise(&e)),
+        None => {
+            progress.detached = true;
+            drop(progress);
+            Ok(pending.encode(env))
+        }
+    }
+}
+
+/// An evaluation handed to MLX's thread by `program_eval_async`.
+pub struct PendingEval {
+    worker: Arc<Worker>,
+    /// The outputs, set before the NIF returns; taken once they are computed.
+    outputs: Mutex<Option<cxx::UniquePtr<ffi::ArrayVec>>>,
+    completion: Arc<Completion>,
+}
+
+// SAFETY: the outputs are not read from another thread before they are computed (they
+// are then evaluated arrays, which may cross threads); until then MLX's thread holds its
+// own handles to them.
+unsafe impl Send for PendingEval {}
+unsafe impl Sync for PendingEval {}
+
+#[rustler::resource_impl]
+impl Resource for PendingEval {}
+
+/// How a pending evaluation stands, between the NIF waiting on it, MLX's thread and the
+/// deadline thread.
+#[derive(Default)]
+pub struct Completion {
+    progress: Mutex<Progress>,
+    finished: Condvar,
+}
+
+#[derive(Default)]
+struct Progress {
+    /// Set by MLX's thread once the outputs are computed (for the waiting NIF).
+    result: Option<Result<(), Error>>,
+    /// Set by the deadline thread: the NIF is to stop waiting.
+    expired: bool,
+    /// The NIF stopped waiting: MLX's thread sends the result as a message instead.
+    detached: bool,
+    /// The outputs are computed (either way).
+    done: bool,
+}
+
+impl crate::deadline::Expire for Completion {
+    fn expire(&self) {
+        self.progress.lock().unwrap().expired = true;
+        self.finished.notify_all();
+    }
+}
+
+/// The end of a pending evaluation, held by MLX's thread (see `program_eval_async`).
+pub struct EvalDone {
+    reply: Reply,
+    completion: Arc<Completion>,
+    /// The inputs, for an error's description.
+    inputs: Vec<Arc<SendArray>>,
+    _busy: Busy,
+}
+
+/// Called by MLX's stream thread (cpp/program.cc) once the outputs are computed: wakes
+/// the NIF waiting on them, or, if it stopped waiting, tells the caller. Never unwinds
+/// into C++.
+pub fn eval_done(done: Box<EvalDone>, error: &str) {
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let EvalDone { reply, completion, inputs, _busy } = *done;
+        let result = match error {
+            "" => Ok(()),
+            message => {
+                let refs: Vec<&ffi::Array> = inputs.iter().map(|a| &*a.0).collect();
+                Err(crate::tensor::mlx_error_message("program_eval", message, &refs))
+            }
+        };
+        let mut progress = completion.progress.lock().unwrap();
+        progress.done = true;
+        if progress.detached {
+            drop(progress);
+            reply.send(|env| match result {
+                Ok(()) => crate::atoms::ok().encode(env),
+                Err(e) => (crate::atoms::error(), e.to_exception()).encode(env),
+            });
+        } else {
+            progress.result = Some(result);
+            // Notified once the lock is released, or the waking thread would block on it.
+            drop(progress);
+            completion.finished.notify_all();
+        }
+    }));
+}
+
+/// `program_eval_take(pending)`: the outputs of a pending evaluation, once its `{ref,
+/// :ok}` has arrived, as evaluated tensors of the stream it was started for.
+#[rustler::nif]
+fn program_eval_take(pending: ResourceArc<PendingEval>) -> NifResult<Vec<TensorArg>> {
+    if !pending.completion.progress.lock().unwrap().done {
+        return Err(argument_error("program_eval_take: the evaluation has not finished"));
+    }
+    take_outputs(&pending)
+}
+
+fn take_outputs(pending: &PendingEval) -> NifResult<Vec<TensorArg>> {
+    let mut out = pending
+        .outputs
+        .lock()
+        .unwrap()
+        .take()
+        .ok_or_else(|| argument_error("program_eval_take: the outputs were taken already"))?;
+    let n = ffi::array_vec_len(&out);
+    Ok((0..n)
+        .map(|i| {
+            let a = ffi::array_vec_take(out.pin_mut(), i).expect("index below the length");
+            TensorResource::from_evaluated(&pending.worker, a)
+        })
+        .collect())
 }
 
 fn run(
