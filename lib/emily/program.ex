@@ -59,11 +59,11 @@ defmodule Emily.Program do
   stream); a compiled program runs on the stream's worker, where its compiled function
   lives.
 
-  Which thread: a program of at most 128 instructions on the CPU device, while MLX has
-  no other evaluation in flight, is built on the caller's own (normal) scheduler, which
-  then sleeps on MLX's evaluation for at most about a millisecond (two at worst); a
-  longer evaluation goes on while the caller waits for its message, the scheduler free
-  for other processes. Any other program runs on a dirty CPU scheduler, which it holds
+  Which thread: a small graph on the CPU device (at most 40 MLX nodes, counted once for
+  each set of input shapes and dtypes), while MLX has no other evaluation in flight, is
+  built on the caller's own (normal) scheduler, which then waits on MLX's evaluation
+  for at most about a millisecond (two at worst); a longer evaluation goes on while the
+  caller waits for its message, the scheduler free for other processes. Any other program runs on a dirty CPU scheduler, which it holds
   for as long as the graph takes (the VM has one per core): callers beyond that number
   wait their turn, and other libraries' dirty NIFs with them, so a long GPU graph from
   many processes at once is better served by `run/3` on a few streams. The first path

@@ -158,6 +158,14 @@ defmodule Emily.ProgramEvalTest do
     assert [out] = outs
     assert_close(l(out), Sample.expected())
     assert {:ok, _} = N.to_binary(make_ref(), out)
+
+    # A graph of more than 40 MLX nodes goes to a dirty scheduler.
+    x = t([0.5])
+    Emily.eval(x)
+    chain = Program.new(for(i <- 0..59, do: {:sin, [i]}), inputs: 1)
+    assert N.program_eval_async(s(), chain, [x], make_ref()) == :dirty
+    [y] = Program.eval(chain, [x])
+    assert_close(l(y), [Enum.reduce(1..60, 0.5, fn _, v -> :math.sin(v) end)])
   end
 
   test "a graph that outlasts the wait comes back by message, errors too" do

@@ -4,6 +4,7 @@
 #include <csignal>
 #include <mutex>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "emily/src/bridge.rs.h"
 #include "mlx/compile_impl.h"
@@ -103,6 +104,36 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
     eval_done(std::move(*d), error);
   });
   return out;
+}
+
+size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
+  Stream s = mx::default_stream(mx::Device::cpu);
+  auto out = replay(p, inputs.items, s);
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<const array*> stack;
+  size_t contiguous = 0;
+  for (auto& a : out) {
+    if (a.has_primitive()) contiguous++;
+    stack.push_back(&a);
+  }
+  while (!stack.empty()) {
+    const array* a = stack.back();
+    stack.pop_back();
+    if (a->status() != array::Status::unscheduled || !seen.insert(a->id()).second) continue;
+    for (auto& in : a->inputs()) stack.push_back(&in);
+  }
+  return seen.size() + contiguous;
+}
+
+uint64_t inputs_signature(const ArrayVec& inputs) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  for (auto& a : inputs.items) {
+    mix(a.ndim());
+    mix(static_cast<uint64_t>(a.dtype().val()));
+    for (auto d : a.shape()) mix(static_cast<uint64_t>(d));
+  }
+  return h;
 }
 
 bool mlx_idle() {

@@ -55,6 +55,11 @@ std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec
 // error, if any. Nothing may read the outputs before then.
 struct EvalDone;
 std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done);
+// The number of nodes program_eval_async would hand to MLX for inputs like these (it
+// builds the graph on the calling thread's CPU stream, counts it and drops it), and a
+// hash of the inputs' shapes and dtypes, which decide that number.
+size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs);
+uint64_t inputs_signature(const ArrayVec& inputs);
 // Whether MLX has no evaluation in flight (on any stream) and memory under its limit:
 // then an asynchronous evaluation of a small graph never waits inside MLX for others.
 bool mlx_idle();

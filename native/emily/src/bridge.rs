@@ -85,6 +85,8 @@ pub mod ffi {
             inputs: &ArrayVec,
             done: Box<EvalDone>,
         ) -> Result<UniquePtr<ArrayVec>>;
+        fn program_graph_size(p: &ProgramSpec, inputs: &ArrayVec) -> Result<usize>;
+        fn inputs_signature(inputs: &ArrayVec) -> u64;
         fn mlx_idle() -> bool;
         fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;

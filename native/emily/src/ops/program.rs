@@ -20,6 +20,7 @@ use crate::tensor::{mlx_error, Reply, TensorArg, TensorResource};
 use crate::term::{short, List};
 use crate::worker::{next_id, Busy, Device, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -116,6 +117,9 @@ pub struct ProgramResource {
     spec: Spec,
     /// Workers holding a compiled copy, to erase it there when the program is dropped.
     compiled_on: Mutex<Vec<Weak<Worker>>>,
+    /// Whether `program_eval_async` may take the program, by the signature of its
+    /// inputs' shapes and dtypes (see `async_graph_fits`).
+    async_fits: Mutex<HashMap<u64, bool>>,
 }
 
 #[rustler::resource_impl]
@@ -214,6 +218,7 @@ fn program_new<'a>(
         compile,
         spec: Spec(spec),
         compiled_on: Mutex::new(Vec::new()),
+        async_fits: Mutex::new(HashMap::new()),
     }))
 }
 
@@ -311,10 +316,26 @@ fn program_eval<'a>(
     }
 }
 
-/// Programs of at most this many instructions may take `program_eval_async`: building
-/// and handing their graph to MLX keeps a normal scheduler for microseconds per
-/// instruction (the evaluation itself runs on MLX's thread).
-const ASYNC_MAX_INSTRUCTIONS: usize = 128;
+/// Graphs of at most this many MLX nodes may take `program_eval_async`. Handing a graph
+/// to MLX waits for earlier work once more than ten groups of ten CPU dispatches are in
+/// flight (counted over all streams), and a node takes about two dispatches: a graph
+/// this small never waits there when MLX starts idle, so the call's time on its
+/// scheduler is building and handing over, microseconds per node, whatever the nodes
+/// compute.
+const ASYNC_MAX_NODES: usize = 40;
+
+/// Whether `program` on inputs like `v` builds at most `ASYNC_MAX_NODES` nodes: counted
+/// once per signature of the inputs' shapes and dtypes (building the graph and dropping
+/// it), then remembered.
+fn async_graph_fits(program: &ProgramResource, v: &ffi::ArrayVec) -> bool {
+    let signature = ffi::inputs_signature(v);
+    if let Some(&fits) = program.async_fits.lock().unwrap().get(&signature) {
+        return fits;
+    }
+    let fits = ffi::program_graph_size(&program.spec.0, v).is_ok_and(|n| n <= ASYNC_MAX_NODES);
+    program.async_fits.lock().unwrap().insert(signature, fits);
+    fits
+}
 
 /// How long `program_eval_async` may keep its normal scheduler, building included: the
 /// VM's guideline for a NIF call (met to within the deadline thread's tick).
@@ -325,7 +346,7 @@ const ASYNC_POLL: Duration = Duration::from_micros(50);
 
 /// `program_eval_async(stream, program, inputs, ref)`: `program_eval` without the dirty
 /// scheduler, for a graph on the CPU device (not compiled, evaluated inputs, at most
-/// `ASYNC_MAX_INSTRUCTIONS`), while MLX has no other evaluation in flight. It builds the
+/// `ASYNC_MAX_NODES`), while MLX has no other evaluation in flight. It builds the
 /// graph here, on this scheduler thread's own MLX stream, and hands its evaluation to
 /// MLX's thread for that stream. If the outputs are computed within `ASYNC_WAIT` of the
 /// call, it returns them (or raises their error). Otherwise it returns a pending
@@ -340,11 +361,11 @@ const ASYNC_POLL: Duration = Duration::from_micros(50);
 /// (see src/deadline.rs for why the sleep has no timeout of its own).
 /// MLX's rules hold as for `program_eval`: the graph is built and evaluated on one
 /// thread's stream, only evaluated arrays leave it, and the VM's normal schedulers are a
-/// fixed set of threads. Handing a graph to MLX waits for others' work only past ten
-/// task groups in flight (MLX counts one per ten CPU ops, over all streams), or with
-/// memory over its limit: `mlx_idle` checks both first, and the instruction bound keeps
-/// this graph's own ops below that. Work still queued on this thread's stream (a
-/// caller's that stopped waiting) delays only the evaluation, not the NIF's return.
+/// fixed set of threads. Handing a graph to MLX waits for earlier work past ten task
+/// groups in flight, or with memory over its limit: `mlx_idle` checks both first, and
+/// the node bound keeps this graph's own dispatches below that. Work still queued on
+/// this thread's stream (a caller's that stopped waiting) delays only the evaluation,
+/// not the NIF's return.
 #[rustler::nif]
 fn program_eval_async<'a>(
     env: Env<'a>,
@@ -356,16 +377,19 @@ fn program_eval_async<'a>(
     const OP: &str = "program_eval";
     let start = Instant::now();
     let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
-    if worker.device != Device::Cpu || program.compile || program.n_instrs > ASYNC_MAX_INSTRUCTIONS {
+    if worker.device != Device::Cpu || program.compile {
         return Ok(crate::atoms::dirty().encode(env));
     }
     let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
-    let Some(evaluated) = evaluated.filter(|_| ffi::mlx_idle()) else {
+    let Some(evaluated) = evaluated else {
         return Ok(crate::atoms::dirty().encode(env));
     };
+    let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
+    if !ffi::mlx_idle() || !async_graph_fits(&program, &v) {
+        return Ok(crate::atoms::dirty().encode(env));
+    }
     let pending =
         ResourceArc::new(PendingEval { worker, outputs: Mutex::new(None), completion: Arc::default() });
-    let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let done = Box::new(EvalDone {
         reply: Reply::new(env, reference),
         completion: pending.completion.clone(),
