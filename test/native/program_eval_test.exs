@@ -137,6 +137,8 @@ defmodule Emily.ProgramEvalTest do
     end
   end
 
+  # `program_eval_async` takes CPU programs only: these tests name the CPU stream (the
+  # default stream of a CUDA build is the GPU's, whose programs go to `program_eval`).
   test "on the CPU a small program is evaluated in the call, without a dirty scheduler" do
     ins = inputs()
     Emily.eval(ins)
@@ -146,7 +148,7 @@ defmodule Emily.ProgramEvalTest do
     # Evaluated within the call's wait (the outputs), or past it (a pending evaluation
     # and a message), depending on the machine's load: both give the same tensors.
     outs =
-      case when_idle(fn -> N.program_eval_async(s(), p, ins, ref) end) do
+      case when_idle(fn -> N.program_eval_async(cpu(), p, ins, ref) end) do
         outs when is_list(outs) ->
           outs
 
@@ -163,16 +165,28 @@ defmodule Emily.ProgramEvalTest do
     x = t([0.5])
     Emily.eval(x)
     chain = Program.new(for(i <- 0..59, do: {:sin, [i]}), inputs: 1)
-    assert N.program_eval_async(s(), chain, [x], make_ref()) == :dirty
+    assert N.program_eval_async(cpu(), chain, [x], make_ref()) == :dirty
     [y] = Program.eval(chain, [x])
     assert_close(l(y), [Enum.reduce(1..60, 0.5, fn _, v -> :math.sin(v) end)])
+  end
+
+  @tag :gpu
+  test "a GPU program goes to a dirty scheduler" do
+    ins = inputs()
+    Emily.eval(ins)
+    p = Program.new(Sample.instructions(), inputs: 3)
+    gpu = Emily.Stream.default(:gpu)
+    assert N.program_eval_async(gpu, p, ins, make_ref()) == :dirty
+    [out] = Program.eval(p, ins, stream: gpu)
+    assert N.tensor_on_stream(out, gpu)
+    assert_close(l(out), Sample.expected())
   end
 
   test "a graph that outlasts the wait comes back by message, errors too" do
     x = big()
     p = Program.new([{:matmul, [0, 0]}, {:slice, [1, [5, 0], [6, 16], [1, 1]]}], inputs: 1)
     ref = make_ref()
-    pending = when_idle(fn -> N.program_eval_async(s(), p, [x], ref) end)
+    pending = when_idle(fn -> N.program_eval_async(cpu(), p, [x], ref) end)
     assert is_reference(pending)
     assert_raise ArgumentError, ~r/not finished/, fn -> N.program_eval_take(pending) end
     assert_receive {^ref, :ok}, 60_000
@@ -187,7 +201,7 @@ defmodule Emily.ProgramEvalTest do
     z = t([0.0, 0.0, 0.0, 0.0], {:f, 32}, {2, 2})
     Emily.eval(z)
     bad = Program.new([{:matmul, [0, 0]}, {:inv, [1]}], inputs: 2, outputs: [2, 3])
-    e = assert_raise Emily.Error, fn -> Program.eval(bad, [x, z]) end
+    e = assert_raise Emily.Error, fn -> Program.eval(bad, [x, z], stream: cpu()) end
     assert e.message =~ "program_eval"
     assert e.message =~ "f32[2048x2048], f32[2x2]"
     assert l(hd(Program.eval(Program.new([{:exp, [0]}], inputs: 1), [z]))) == [1.0, 1.0, 1.0, 1.0]
@@ -200,7 +214,7 @@ defmodule Emily.ProgramEvalTest do
 
     {pid, mon} =
       spawn_monitor(fn ->
-        pending = when_idle(fn -> N.program_eval_async(s(), p, [x], make_ref()) end)
+        pending = when_idle(fn -> N.program_eval_async(cpu(), p, [x], make_ref()) end)
         send(parent, {:pending, is_reference(pending)})
         Process.sleep(:infinity)
       end)
