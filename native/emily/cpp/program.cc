@@ -81,15 +81,22 @@ std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec
   return out;
 }
 
+// The graph program_eval_async hands to MLX: the replay on this thread's CPU stream, each
+// output ending in MLX's `contiguous`. Outputs leave as plain bytes, and whether one is
+// row-contiguous is known only once it is computed (`contiguous` shares the buffer when
+// it is). An input passed through is contiguous already.
+static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs) {
+  Stream s = mx::default_stream(mx::Device::cpu);
+  auto out = replay(p, inputs, s);
+  for (auto& a : out)
+    if (a.has_primitive()) a = mx::contiguous(a, false, s);
+  return out;
+}
+
 std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay(p, inputs.items, s);
-  // Outputs leave as plain bytes. Whether one is row-contiguous is known only once it is
-  // computed, so the graph ends in MLX's `contiguous`, which shares the buffer when it is.
-  // An input passed through is contiguous already.
-  for (auto& a : out->items)
-    if (a.has_primitive()) a = mx::contiguous(a, false, s);
+  out->items = replay_for_export(p, inputs.items);
   mx::async_eval(out->items);
   // Runs after every task of this evaluation (a CPU stream runs its tasks in order),
   // holding the outputs until then. std::function wants a copyable callable.
@@ -107,22 +114,17 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
 }
 
 size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
-  Stream s = mx::default_stream(mx::Device::cpu);
-  auto out = replay(p, inputs.items, s);
+  auto out = replay_for_export(p, inputs.items);
   std::unordered_set<std::uintptr_t> seen;
   std::vector<const array*> stack;
-  size_t contiguous = 0;
-  for (auto& a : out) {
-    if (a.has_primitive()) contiguous++;
-    stack.push_back(&a);
-  }
+  for (auto& a : out) stack.push_back(&a);
   while (!stack.empty()) {
     const array* a = stack.back();
     stack.pop_back();
     if (a->status() != array::Status::unscheduled || !seen.insert(a->id()).second) continue;
     for (auto& in : a->inputs()) stack.push_back(&in);
   }
-  return seen.size() + contiguous;
+  return seen.size();
 }
 
 uint64_t inputs_signature(const ArrayVec& inputs) {
