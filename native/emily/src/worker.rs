@@ -264,14 +264,7 @@ fn enter_busy<T>(work: T) -> T {
 /// Runs `f` on this (non-worker) thread as a job would run, counted busy so that process
 /// exit waits for it (see `enter_busy`).
 pub fn run_busy<R>(f: impl FnOnce() -> R) -> R {
-    struct Done;
-    impl Drop for Done {
-        fn drop(&mut self) {
-            BUSY.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-    let f = enter_busy(f);
-    let _done = Done;
+    let _busy = Busy::enter();
     f()
 }
 

@@ -396,11 +396,11 @@ fn program_eval_async<'a>(
         inputs: evaluated.clone(),
         _busy: Busy::enter(),
     });
-    let out =
-        crate::worker::run_busy(|| ffi::program_eval_async(&program.spec.0, &v, done)).map_err(|e| {
-            let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
-            crate::error::raise(&mlx_error(OP, e, &refs))
-        })?;
+    // `done` holds the call (and the evaluation after it) busy for the exit guard.
+    let out = ffi::program_eval_async(&program.spec.0, &v, done).map_err(|e| {
+        let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
+        crate::error::raise(&mlx_error(OP, e, &refs))
+    })?;
     check_outputs(OP, &out, program.outputs).map_err(|e| crate::error::raise(&e))?;
     *pending.outputs.lock().unwrap() = Some(out);
 
