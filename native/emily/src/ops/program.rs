@@ -412,8 +412,10 @@ fn program_eval_async<'a>(
     while !c.computed.load(Ordering::Acquire) && Instant::now() < poll_until {
         std::thread::yield_now();
     }
-    let weak = Arc::downgrade(c);
-    let _ticket = crate::deadline::watch(start + ASYNC_WAIT, weak);
+    // Computed already, the common case: no deadline to watch (a watch would wake the
+    // deadline thread and keep it ticking).
+    let _ticket = (!c.computed.load(Ordering::Acquire))
+        .then(|| crate::deadline::watch(start + ASYNC_WAIT, Arc::downgrade(c) as Weak<_>));
     let mut progress =
         c.finished.wait_while(c.progress.lock().unwrap(), |p| p.result.is_none() && !p.expired).unwrap();
     rustler::schedule::consume_timeslice(env, (start.elapsed().as_micros() / 10).min(100) as i32);
