@@ -63,10 +63,11 @@ defmodule Emily.Program do
   each set of input shapes and dtypes), while MLX has no other evaluation in flight, is
   built on the caller's own (normal) scheduler, which then waits on MLX's evaluation
   for at most about a millisecond (two at worst); a longer evaluation goes on while the
-  caller waits for its message, the scheduler free for other processes. Any other program runs on a dirty CPU scheduler, which it holds
-  for as long as the graph takes (the VM has one per core): callers beyond that number
-  wait their turn, and other libraries' dirty NIFs with them, so a long GPU graph from
-  many processes at once is better served by `run/3` on a few streams. The first path
+  caller waits for its message, the scheduler free for other processes. Any other
+  program runs on a dirty CPU scheduler, which it holds for as long as the graph takes
+  (the VM has one per core): callers beyond that number wait their turn, and other
+  libraries' dirty NIFs with them, so a long GPU graph from many processes at once is
+  better served by `run/3` on a few streams. The first path
   exists because a dirty call leaves the caller's scheduler without work: it
   busy-waits, taking a core from MLX's and BLAS's threads, then sleeps and must be
   woken (on two cores, 10-20% of a 100 us graph; `bench/README.md`).

@@ -326,8 +326,12 @@ const ASYNC_MAX_NODES: usize = 40;
 
 /// Whether `program` on inputs like `v` builds at most `ASYNC_MAX_NODES` nodes: counted
 /// once per signature of the inputs' shapes and dtypes (building the graph and dropping
-/// it), then remembered.
+/// it), then remembered. A program far longer than that is not built to be counted (the
+/// count runs on a normal scheduler too): an instruction that adds no node is rare.
 fn async_graph_fits(program: &ProgramResource, v: &ffi::ArrayVec) -> bool {
+    if program.n_instrs > 4 * ASYNC_MAX_NODES {
+        return false;
+    }
     let signature = ffi::inputs_signature(v);
     if let Some(&fits) = program.async_fits.lock().unwrap().get(&signature) {
         return fits;
