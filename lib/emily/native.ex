@@ -29,8 +29,8 @@ defmodule Emily.Native do
       `program_eval/3` runs and evaluates one on the calling dirty scheduler when its
       inputs are evaluated and it is not compiled (`:pending` otherwise, which
       `program_compiled/1` and `tensor_evaluated/1` tell without that dirty call);
-      `program_eval_async/4` and `program_eval_take/1` do the same for a small CPU
-      program without the dirty scheduler (`:dirty` when it does not qualify; see
+      `program_eval_async/4` and `program_eval_take/1` do the same for a CPU program
+      that MLX takes quickly, without the dirty scheduler (`:dirty` when it does not qualify; see
       `Emily.Program.eval/3`);
       `op_table/0` lists the ops programs can use.
     * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op

@@ -59,12 +59,15 @@ defmodule Emily.Program do
   stream); a compiled program runs on the stream's worker, where its compiled function
   lives.
 
-  Which thread: a small graph on the CPU device (at most 40 MLX nodes, counted once for
-  each set of input shapes and dtypes), while MLX has no other evaluation in flight, is
-  built on the caller's own (normal) scheduler, which then waits on MLX's evaluation
-  for at most about a millisecond (two at worst); a longer evaluation goes on while the
-  caller waits for its message, the scheduler free for other processes. Any other
-  program runs on a dirty CPU scheduler, which it holds for as long as the graph takes
+  Which thread: a graph on the CPU device that MLX takes quickly, while MLX has no other
+  evaluation in flight, is built on the caller's own (normal) scheduler, which then
+  waits on MLX's evaluation for at most about a millisecond (two at worst); a longer
+  evaluation goes on while the caller waits for its message, the scheduler free for
+  other processes. Taken quickly means at most 40 MLX nodes (counted once for each set
+  of input shapes and dtypes), or, for a larger graph, a hand-over to MLX (building
+  the graph, and MLX's waits for its earlier work) of at most 500 us at its last run
+  with those shapes; its first run takes the other path and is measured there. Any
+  other program runs on a dirty CPU scheduler, which it holds for as long as the graph takes
   (the VM has one per core): callers beyond that number wait their turn, and other
   libraries' dirty NIFs with them, so a long GPU graph from many processes at once is
   better served by `run/3` on a few streams. The first path

@@ -73,13 +73,16 @@ std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inp
   return out;
 }
 
-std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device) {
-  Stream s = mx::default_stream(device == 1 ? mx::Device::gpu : mx::Device::cpu);
+static Stream here(int32_t device) { return mx::default_stream(device == 1 ? mx::Device::gpu : mx::Device::cpu); }
+
+std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device) {
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay(p, inputs.items, s);
-  evaluate_row_contiguous(out->items, s);
+  out->items = replay(p, inputs.items, here(device));
+  mx::async_eval(out->items);
   return out;
 }
+
+void program_finish_here(ArrayVec& outputs, int32_t device) { evaluate_row_contiguous(outputs.items, here(device)); }
 
 // The graph program_eval_async hands to MLX: the replay on this thread's CPU stream, each
 // output ending in MLX's `contiguous`. Outputs leave as plain bytes, and whether one is

@@ -45,10 +45,13 @@ void program_spec_push(ProgramSpec& p, uint32_t op, rust::Str name, rust::Slice<
                        rust::Slice<const rust::String> strs, uint32_t outputs);
 void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots);
 std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inputs, const Stream& s);
-// Replays and evaluates on the calling thread's own default stream of `device`: the
-// outputs come back evaluated and row-contiguous, so they may cross threads.
-std::unique_ptr<ArrayVec> program_eval_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device);
-// The CPU device's asynchronous form of program_eval_here: replays on the calling
+// Replays on the calling thread's own default stream of `device` and hands the graph to
+// MLX for evaluation (MLX may wait there for earlier work); program_finish_here, on the
+// same thread, then waits for the outputs and makes them row-contiguous, so that they
+// may cross threads. Two calls, so that the hand-over can be timed.
+std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device);
+void program_finish_here(ArrayVec& outputs, int32_t device);
+// The CPU device's asynchronous form of those two: replays on the calling
 // thread's own default CPU stream, hands the evaluation to MLX's thread for that stream
 // and returns the outputs at once (made row-contiguous by the graph itself). When they
 // are computed, MLX's thread calls `eval_done` (src/ops/program.rs) with the stream's

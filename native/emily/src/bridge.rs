@@ -79,7 +79,12 @@ pub mod ffi {
         );
         fn program_spec_outputs(p: Pin<&mut ProgramSpec>, slots: &[u32]);
         fn program_call(p: &ProgramSpec, inputs: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
-        fn program_eval_here(p: &ProgramSpec, inputs: &ArrayVec, device: i32) -> Result<UniquePtr<ArrayVec>>;
+        fn program_dispatch_here(
+            p: &ProgramSpec,
+            inputs: &ArrayVec,
+            device: i32,
+        ) -> Result<UniquePtr<ArrayVec>>;
+        fn program_finish_here(outputs: Pin<&mut ArrayVec>, device: i32) -> Result<()>;
         fn program_eval_async(
             p: &ProgramSpec,
             inputs: &ArrayVec,

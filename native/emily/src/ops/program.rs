@@ -118,8 +118,8 @@ pub struct ProgramResource {
     /// Workers holding a compiled copy, to erase it there when the program is dropped.
     compiled_on: Mutex<Vec<Weak<Worker>>>,
     /// Whether `program_eval_async` may take the program, by the signature of its
-    /// inputs' shapes and dtypes (see `async_graph_fits`).
-    async_fits: Mutex<HashMap<u64, bool>>,
+    /// inputs' shapes and dtypes (see `async_fit`).
+    async_fits: Mutex<HashMap<u64, Fit>>,
 }
 
 #[rustler::resource_impl]
@@ -298,8 +298,14 @@ fn program_eval<'a>(
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let res = crate::worker::run_busy(|| {
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
-        let mut out = ffi::program_eval_here(&program.spec.0, &v, worker.device as i32)
-            .map_err(|e| mlx_error(OP, e, &refs))?;
+        let device = worker.device as i32;
+        let start = Instant::now();
+        let mut out =
+            ffi::program_dispatch_here(&program.spec.0, &v, device).map_err(|e| mlx_error(OP, e, &refs))?;
+        if worker.device == Device::Cpu {
+            program.handed_over(ffi::inputs_signature(&v), start.elapsed());
+        }
+        ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
         check_outputs(OP, &out, program.outputs)?;
         Ok::<_, Error>(
             (0..program.outputs)
@@ -324,21 +330,49 @@ fn program_eval<'a>(
 /// compute.
 const ASYNC_MAX_NODES: usize = 40;
 
-/// Whether `program` on inputs like `v` builds at most `ASYNC_MAX_NODES` nodes: counted
-/// once per signature of the inputs' shapes and dtypes (building the graph and dropping
-/// it), then remembered. A program far longer than that is not built to be counted (the
-/// count runs on a normal scheduler too): an instruction that adds no node is rare.
-fn async_graph_fits(program: &ProgramResource, v: &ffi::ArrayVec) -> bool {
-    if program.n_instrs > 4 * ASYNC_MAX_NODES {
-        return false;
+/// A larger graph may take `program_eval_async` too when its last hand-over (building
+/// it and handing it to MLX, MLX's waits for earlier work included) took at most this
+/// long: the call then keeps its scheduler about as long as a small graph's that waits
+/// out `ASYNC_WAIT`. Measured on whichever path ran the graph last, so a graph that
+/// grows slower (a busier machine) goes back to the dirty scheduler at its next run.
+const HANDOVER_BUDGET: Duration = Duration::from_micros(500);
+
+/// What `program_eval_async` knows of a program for one signature of its inputs'
+/// shapes and dtypes.
+#[derive(Clone, Copy, Default)]
+struct Fit {
+    /// Whether it builds at most `ASYNC_MAX_NODES` nodes (counted once).
+    small: bool,
+    /// Its last hand-over to MLX on the CPU device, on either path.
+    handover: Option<Duration>,
+}
+
+impl ProgramResource {
+    fn handed_over(&self, signature: u64, took: Duration) {
+        self.async_fits.lock().unwrap().entry(signature).or_default().handover = Some(took);
     }
-    let signature = ffi::inputs_signature(v);
-    if let Some(&fits) = program.async_fits.lock().unwrap().get(&signature) {
-        return fits;
-    }
-    let fits = ffi::program_graph_size(&program.spec.0, v).is_ok_and(|n| n <= ASYNC_MAX_NODES);
-    program.async_fits.lock().unwrap().insert(signature, fits);
-    fits
+}
+
+/// Whether `program_eval_async` takes `program` on inputs like `v` (signature
+/// `signature`): when it builds at most `ASYNC_MAX_NODES` nodes (counted once per
+/// signature, by building the graph and dropping it), or when its last hand-over took
+/// at most `HANDOVER_BUDGET`. A program far longer than the node bound is not built to
+/// be counted (the count runs on a normal scheduler too): an instruction that adds no
+/// node is rare. Returns whether it is small, or `None` for the dirty scheduler.
+fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Option<bool> {
+    let known = program.async_fits.lock().unwrap().get(&signature).copied();
+    let fit = match known {
+        Some(fit) => fit,
+        None => {
+            let small = program.n_instrs <= 4 * ASYNC_MAX_NODES
+                && ffi::program_graph_size(&program.spec.0, v).is_ok_and(|n| n <= ASYNC_MAX_NODES);
+            let mut fits = program.async_fits.lock().unwrap();
+            let fit = fits.entry(signature).or_default();
+            fit.small = small;
+            *fit
+        }
+    };
+    (fit.small || fit.handover.is_some_and(|t| t <= HANDOVER_BUDGET)).then_some(fit.small)
 }
 
 /// How long `program_eval_async` may keep its normal scheduler, building included: the
@@ -349,10 +383,10 @@ const ASYNC_WAIT: Duration = Duration::from_millis(1);
 const ASYNC_POLL: Duration = Duration::from_micros(50);
 
 /// `program_eval_async(stream, program, inputs, ref)`: `program_eval` without the dirty
-/// scheduler, for a graph on the CPU device (not compiled, evaluated inputs, at most
-/// `ASYNC_MAX_NODES`), while MLX has no other evaluation in flight. It builds the
-/// graph here, on this scheduler thread's own MLX stream, and hands its evaluation to
-/// MLX's thread for that stream. If the outputs are computed within `ASYNC_WAIT` of the
+/// scheduler, for a graph on the CPU device (not compiled, evaluated inputs, small or
+/// quickly handed over: `async_fit`), while MLX has no other evaluation in flight. It
+/// builds the graph here, on this scheduler thread's own MLX stream, and hands its
+/// evaluation to MLX's thread for that stream. If the outputs are computed within `ASYNC_WAIT` of the
 /// call, it returns them (or raises their error). Otherwise it returns a pending
 /// evaluation: MLX's thread sends `{ref, :ok}` or `{ref, {:error, exception}}` when the
 /// outputs are computed, and `program_eval_take/1` then returns them. Returns `:dirty`
@@ -366,8 +400,9 @@ const ASYNC_POLL: Duration = Duration::from_micros(50);
 /// MLX's rules hold as for `program_eval`: the graph is built and evaluated on one
 /// thread's stream, only evaluated arrays leave it, and the VM's normal schedulers are a
 /// fixed set of threads. Handing a graph to MLX waits for earlier work past ten task
-/// groups in flight, or with memory over its limit: `mlx_idle` checks both first, and
-/// the node bound keeps this graph's own dispatches below that. Work still queued on
+/// groups in flight, or with memory over its limit: `mlx_idle` checks both first; the
+/// node bound keeps a small graph's own dispatches below that, and a larger graph's
+/// waits for its own were measured short (`HANDOVER_BUDGET`). Work still queued on
 /// this thread's stream (a caller's that stopped waiting) delays only the evaluation,
 /// not the NIF's return.
 #[rustler::nif]
@@ -389,9 +424,11 @@ fn program_eval_async<'a>(
         return Ok(crate::atoms::dirty().encode(env));
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
-    if !ffi::mlx_idle() || !async_graph_fits(&program, &v) {
-        return Ok(crate::atoms::dirty().encode(env));
-    }
+    let signature = ffi::inputs_signature(&v);
+    let small = match ffi::mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
+        Some(small) => small,
+        None => return Ok(crate::atoms::dirty().encode(env)),
+    };
     let pending =
         ResourceArc::new(PendingEval { worker, outputs: Mutex::new(None), completion: Arc::default() });
     let done = Box::new(EvalDone {
@@ -405,6 +442,9 @@ fn program_eval_async<'a>(
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         crate::error::raise(&mlx_error(OP, e, &refs))
     })?;
+    if !small {
+        program.handed_over(signature, start.elapsed());
+    }
     check_outputs(OP, &out, program.outputs).map_err(|e| crate::error::raise(&e))?;
     *pending.outputs.lock().unwrap() = Some(out);
 
