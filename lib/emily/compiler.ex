@@ -65,6 +65,7 @@ if Code.ensure_loaded?(Nx) do
 
     @telemetry? Code.ensure_loaded?(:telemetry)
     @cache Emily.Compiler.Cache
+    @last_used {__MODULE__, :last_used}
 
     alias Emily.Compiler.Native
 
@@ -144,6 +145,8 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    defp args_key(%Nx.Tensor{} = t), do: {t.type, t.shape, t.names, t.vectorized_axes}
+
     defp args_key(var) do
       Nx.Defn.Composite.traverse(var, fn
         %Nx.Tensor{} = t -> {t.type, t.shape, t.names, t.vectorized_axes}
@@ -152,11 +155,22 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # The table belongs to the application (Emily.Stream.Defaults); without it, nothing
-    # is kept.
+    # is kept. The entry a process used last is also kept in its dictionary, so that a
+    # function called in a loop is found without copying its entry out of the table.
     defp cache_lookup(key) do
-      case :ets.lookup(@cache, key) do
-        [{_, lowered}] -> {:ok, lowered}
-        [] -> :error
+      case Process.get(@last_used) do
+        {^key, lowered} ->
+          {:ok, lowered}
+
+        _ ->
+          case :ets.lookup(@cache, key) do
+            [{_, lowered}] ->
+              Process.put(@last_used, {key, lowered})
+              {:ok, lowered}
+
+            [] ->
+              :error
+          end
       end
     rescue
       ArgumentError -> :error
@@ -187,8 +201,7 @@ if Code.ensure_loaded?(Nx) do
             else: Emily.Stream.current()
           )
 
-      backend = {Emily.Backend, device: Emily.Stream.device(s)}
-      inputs = Enum.map(args, &native_input(&1.(), backend)) ++ extras
+      inputs = Enum.map(args, &native_input(&1.(), s)) ++ extras
       refs = Emily.Program.eval(program, inputs, stream: s)
 
       refs =
@@ -210,13 +223,13 @@ if Code.ensure_loaded?(Nx) do
       result
     end
 
-    defp native_input(%Nx.Tensor{data: %Emily.Backend{ref: ref}}, _backend), do: ref
+    defp native_input(%Nx.Tensor{data: %Emily.Backend{ref: ref}}, _stream), do: ref
 
-    defp native_input(%Nx.Tensor{} = t, backend),
-      do: Nx.backend_copy(t, backend).data.ref
+    defp native_input(%Nx.Tensor{} = t, stream),
+      do: Nx.backend_copy(t, {Emily.Backend, device: Emily.Stream.device(stream)}).data.ref
 
-    defp native_input(number, backend) when is_number(number),
-      do: Nx.backend_copy(Nx.tensor(number, backend: Nx.BinaryBackend), backend).data.ref
+    defp native_input(number, stream) when is_number(number),
+      do: native_input(Nx.tensor(number, backend: Nx.BinaryBackend), stream)
 
     defp evaluator(key, vars, fun, opts) do
       backend = __to_backend__(opts)
