@@ -229,6 +229,8 @@ defmodule Emily.ProgramEvalTest do
     # x[i][k] = k mod 8, so (x . x)[i][j] = sum over k of (k mod 8) * (j mod 8)
     # = (j mod 8) * 256 * (0 + ... + 7).
     assert l(row) == for(j <- 0..15, do: rem(j, 8) * 256 * 28.0)
+    # Run again, the call now sleeps at once (no poll): the same values.
+    assert l(hd(Program.eval(p, [x], stream: cpu()))) == l(row)
 
     # An error met on MLX's thread (a singular matrix) arrives the same way, and the
     # stream goes on.
