@@ -30,8 +30,8 @@ defmodule Emily.Native do
       inputs are evaluated and it is not compiled (`:pending` otherwise, which
       `program_compiled/1` and `tensor_evaluated/1` tell without that dirty call);
       `program_eval_async/4` and `program_eval_take/1` do the same for a CPU program
-      that MLX takes quickly, without the dirty scheduler (`:dirty` when it does not qualify; see
-      `Emily.Program.eval/3`);
+      that MLX takes quickly, without the dirty scheduler (`:dirty` when it does not
+      qualify; see `Emily.Program.eval/3`);
       `op_table/0` lists the ops programs can use.
     * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op
       result larger than MLX's memory limit fails with `Emily.Error`.

@@ -117,8 +117,8 @@ pub struct ProgramResource {
     spec: Spec,
     /// Workers holding a compiled copy, to erase it there when the program is dropped.
     compiled_on: Mutex<Vec<Weak<Worker>>>,
-    /// Whether `program_eval_async` may take the program, by the signature of its
-    /// inputs' shapes and dtypes (see `async_fit`).
+    /// What `program_eval_async` knows of the program, by the signature of its inputs'
+    /// shapes and dtypes (see `async_fit`).
     async_fits: Mutex<HashMap<u64, Fit>>,
 }
 
@@ -389,11 +389,12 @@ const ASYNC_POLL: Duration = Duration::from_micros(50);
 /// scheduler, for a graph on the CPU device (not compiled, evaluated inputs, small or
 /// quickly handed over: `async_fit`), while MLX has no other evaluation in flight. It
 /// builds the graph here, on this scheduler thread's own MLX stream, and hands its
-/// evaluation to MLX's thread for that stream. If the outputs are computed within `ASYNC_WAIT` of the
-/// call, it returns them (or raises their error). Otherwise it returns a pending
-/// evaluation: MLX's thread sends `{ref, :ok}` or `{ref, {:error, exception}}` when the
-/// outputs are computed, and `program_eval_take/1` then returns them. Returns `:dirty`
-/// when the program does not qualify (the caller then uses `program_eval`).
+/// evaluation to MLX's thread for that stream. If the outputs are computed within
+/// `ASYNC_WAIT` of the call, it returns them (or raises their error). Otherwise it
+/// returns a pending evaluation: MLX's thread sends `{ref, :ok}` or `{ref, {:error,
+/// exception}}` when the outputs are computed, and `program_eval_take/1` then returns
+/// them. Returns `:dirty` when the program does not qualify (the caller then uses
+/// `program_eval`).
 ///
 /// Why: during a dirty call the caller's scheduler has no work, and it busy-waits before
 /// it sleeps, taking a core from MLX's and OpenBLAS's threads; then it must be woken
