@@ -83,6 +83,11 @@ defmodule Emily.WorkerTest do
           [2.0] = Emily.to_list(N.add(st, one, one))
         end)
         |> Task.await()
+
+        # A task replies before it exits, and its heap (the stream's last handles) is
+        # freed as it exits, on a busy machine a while later: the next stream is made
+        # once this one's thread is idle.
+        wait_until(fn -> elem(N.stream_threads(:cpu), 1) > 0 end)
       end
     end
 
@@ -116,6 +121,20 @@ defmodule Emily.WorkerTest do
   defp measure_tick do
     {us, _} = :timer.tc(fn -> Process.sleep(5) end)
     div(us, 1000)
+  end
+
+  defp wait_until(done?, tries \\ 5_000) do
+    cond do
+      done?.() ->
+        :ok
+
+      tries == 0 ->
+        flunk("timed out")
+
+      true ->
+        Process.sleep(1)
+        wait_until(done?, tries - 1)
+    end
   end
 
   defp thread_count do
