@@ -137,6 +137,20 @@ defmodule Emily.ProgramEvalTest do
     end
   end
 
+  # The outputs of a call that `program_eval_async` takes (retried while it declines):
+  # evaluated within the call's wait, or past it (a pending evaluation and a message),
+  # depending on the machine's load; both give the same tensors.
+  defp taken(call, ref) do
+    case when_idle(call) do
+      outs when is_list(outs) ->
+        outs
+
+      pending ->
+        assert_receive {^ref, :ok}, 5_000
+        N.program_eval_take(pending)
+    end
+  end
+
   # `program_eval_async` takes CPU programs only: these tests name the CPU stream (the
   # default stream of a CUDA build is the GPU's, whose programs go to `program_eval`).
   test "on the CPU a small program is evaluated in the call, without a dirty scheduler" do
@@ -144,20 +158,7 @@ defmodule Emily.ProgramEvalTest do
     Emily.eval(ins)
     p = Program.new(Sample.instructions(), inputs: 3)
     ref = make_ref()
-
-    # Evaluated within the call's wait (the outputs), or past it (a pending evaluation
-    # and a message), depending on the machine's load: both give the same tensors.
-    outs =
-      case when_idle(fn -> N.program_eval_async(cpu(), p, ins, ref) end) do
-        outs when is_list(outs) ->
-          outs
-
-        pending ->
-          assert_receive {^ref, :ok}, 5_000
-          N.program_eval_take(pending)
-      end
-
-    assert [out] = outs
+    assert [out] = taken(fn -> N.program_eval_async(cpu(), p, ins, ref) end, ref)
     assert_close(l(out), Sample.expected())
     assert {:ok, _} = N.to_binary(make_ref(), out)
   end
@@ -184,17 +185,7 @@ defmodule Emily.ProgramEvalTest do
       end
     end
 
-    outs =
-      case when_idle(take) do
-        outs when is_list(outs) ->
-          outs
-
-        pending ->
-          assert_receive {^ref, :ok}, 5_000
-          N.program_eval_take(pending)
-      end
-
-    assert l(hd(outs)) == l(y)
+    assert l(hd(taken(take, ref))) == l(y)
 
     # 3000 nodes: building them alone, and MLX's waits for its own earlier work while
     # they are handed over, take milliseconds.
