@@ -345,8 +345,9 @@ struct Fit {
     small: bool,
     /// Its last hand-over to MLX on the CPU device, on either path.
     handover: Option<Duration>,
-    /// Whether its last evaluation on `program_eval_async` was computed later than
-    /// `ASYNC_POLL` after the hand-over (or not within the call).
+    /// Whether `program_eval_async` sleeps on it at once, without polling: its
+    /// evaluations end too long after the hand-over for a poll to catch them (see the
+    /// NIF).
     slow: bool,
 }
 
@@ -456,9 +457,9 @@ fn program_eval_async<'a>(
     // A small graph is often computed within microseconds: polling first spares it a
     // sleep and a wake-up (each some 20 us on the VM the bench runs on). Yielding, so
     // that MLX's and BLAS's threads keep the core whenever they want it; even so, a
-    // poll that cannot succeed takes CPU time from them, so a graph whose last
-    // evaluation outlasted the poll sleeps at once (the MLP of bench/README.md: 6 us
-    // less per run).
+    // poll that cannot succeed takes CPU time from them, so a graph whose evaluations
+    // outlast the poll sleeps at once (bench/README.md: the MLP's mean run went from
+    // 126-132 to 111-113 us).
     let handed = Instant::now();
     let poll_until = handed + if fit.slow { Duration::ZERO } else { ASYNC_POLL };
     while !c.computed.load(Ordering::Acquire) && Instant::now() < poll_until {
@@ -470,8 +471,14 @@ fn program_eval_async<'a>(
         .then(|| crate::deadline::watch(start + ASYNC_WAIT, Arc::downgrade(c) as Weak<_>));
     let mut progress =
         c.finished.wait_while(c.progress.lock().unwrap(), |p| p.result.is_none() && !p.expired).unwrap();
-    // Timed by MLX's thread, so that a sleep's wake-up does not count.
-    let slow = progress.computed_at.is_none_or(|at| at.duration_since(handed) > ASYNC_POLL);
+    // Timed by MLX's thread, so that a sleep's wake-up does not count. Polling only
+    // where it is well inside the window (a graph near its end would poll in vain in
+    // some runs), and back only where it is clearly quicker.
+    let slow = match progress.computed_at.map(|at| at.duration_since(handed)) {
+        None => true,
+        Some(took) if fit.slow => took > ASYNC_POLL / 4,
+        Some(took) => took > ASYNC_POLL / 2,
+    };
     if slow != fit.slow {
         program.async_fits.lock().unwrap().entry(signature).or_default().slow = slow;
     }
