@@ -341,8 +341,8 @@ const HANDOVER_BUDGET: Duration = Duration::from_micros(500);
 /// shapes and dtypes.
 #[derive(Clone, Copy, Default)]
 struct Fit {
-    /// Whether it builds at most `ASYNC_MAX_NODES` nodes (counted once).
-    small: bool,
+    /// Whether it builds at most `ASYNC_MAX_NODES` nodes (counted once: `None` before).
+    small: Option<bool>,
     /// Its last hand-over to MLX on the CPU device, on either path.
     handover: Option<Duration>,
     /// Whether `program_eval_async` sleeps on it at once, without polling: its
@@ -362,21 +362,23 @@ impl ProgramResource {
 /// signature, by building the graph and dropping it), or when its last hand-over took
 /// at most `HANDOVER_BUDGET`. A program far longer than the node bound is not built to
 /// be counted (the count runs on a normal scheduler too): an instruction that adds no
-/// node is rare. Returns what is known of it, or `None` for the dirty scheduler.
-fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Option<Fit> {
-    let known = program.async_fits.lock().unwrap().get(&signature).copied();
-    let fit = match known {
-        Some(fit) => fit,
+/// node is rare. Returns what is known of it and whether it is small, or `None` for the
+/// dirty scheduler.
+fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Option<(Fit, bool)> {
+    let known = program.async_fits.lock().unwrap().get(&signature).copied().unwrap_or_default();
+    // An entry made by a dirty run (its hand-over) may not be counted yet.
+    let (fit, small) = match known.small {
+        Some(small) => (known, small),
         None => {
             let small = program.n_instrs <= 4 * ASYNC_MAX_NODES
                 && ffi::program_graph_size(&program.spec.0, v).is_ok_and(|n| n <= ASYNC_MAX_NODES);
             let mut fits = program.async_fits.lock().unwrap();
             let fit = fits.entry(signature).or_default();
-            fit.small = small;
-            *fit
+            fit.small = Some(small);
+            (*fit, small)
         }
     };
-    (fit.small || fit.handover.is_some_and(|t| t <= HANDOVER_BUDGET)).then_some(fit)
+    (small || fit.handover.is_some_and(|t| t <= HANDOVER_BUDGET)).then_some((fit, small))
 }
 
 /// How long `program_eval_async` may keep its normal scheduler, building included: the
@@ -430,8 +432,8 @@ fn program_eval_async<'a>(
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let signature = ffi::inputs_signature(&v);
-    let fit = match ffi::mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
-        Some(fit) => fit,
+    let (fit, small) = match ffi::mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
+        Some(found) => found,
         None => return Ok(crate::atoms::dirty().encode(env)),
     };
     let pending =
@@ -447,7 +449,7 @@ fn program_eval_async<'a>(
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         crate::error::raise(&mlx_error(OP, e, &refs))
     })?;
-    if !fit.small {
+    if !small {
         program.handed_over(signature, start.elapsed());
     }
     check_outputs(OP, &out, program.outputs).map_err(|e| crate::error::raise(&e))?;
