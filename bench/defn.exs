@@ -1,6 +1,7 @@
 # defn on Emily: an MLP forward pass, a transformer block and a chain of elementwise ops,
 # run through Emily.Compiler (evaluator path, every node a lazy MLX op; native path, the
-# graph lowered into one Emily.Program, with and without mx::compile) beside
+# graph lowered into one Emily.Program, through Nx.Defn.jit and Nx.Defn.compile, with
+# and without mx::compile) beside
 # Nx.Defn.Evaluator on Nx.BinaryBackend and Python MLX on the same graph, in one run.
 # Needs Nx: run it from a Mix project with both Emily and Nx as dependencies, in a
 # non-test environment (the test config checks every op's result):
@@ -161,6 +162,12 @@ defmodule Bench.Defn do
     paths = [
       {"evaluator", Nx.Defn.jit(fun, compiler: Emily.Compiler)},
       {"native", Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true)},
+      # The same program, compiled ahead with `Nx.Defn.compile/3`: no per-call lookup.
+      {"native, Nx.Defn.compile",
+       Nx.Defn.compile(fun, Enum.map(args, &Nx.to_template/1),
+         compiler: Emily.Compiler,
+         native: true
+       )},
       {"native, mx::compile",
        Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, compile: true)},
       # What every call cost before lowered programs were kept: trace, lower, run.
