@@ -66,16 +66,17 @@ defmodule Emily.Program do
   other processes. Taken quickly means at most 40 MLX nodes (counted once for each set
   of input shapes and dtypes), or, for a larger graph, a hand-over to MLX (building
   the graph, and MLX's waits for its earlier work) of at most 500 us at its last run
-  with those shapes; its first run takes the other path and is measured there, and a
-  run whose hand-over takes longer than allowed (a busier machine) holds the scheduler
-  that long once, then sends the graph back to the other path. Any
-  other program runs on a dirty CPU scheduler, which it holds for as long as the graph
-  takes (the VM has one per core): callers beyond that number wait their turn, and
-  other libraries' dirty NIFs with them, so a long GPU graph from many processes at
-  once is better served by `run/3` on a few streams. The first path exists because a
-  dirty call leaves the caller's scheduler without work: it busy-waits, taking a core
-  from MLX's and BLAS's threads, then sleeps and must be woken (on two cores, 10-20% of
-  a 100 us graph; `bench/README.md`).
+  with those shapes (1 ms once it runs here, so that a graph near the bound keeps to
+  one path); its first run takes the other path and is measured there, and a run whose
+  hand-over takes longer than allowed (a busier machine) holds the scheduler that long
+  once, then sends the graph back to the other path. Any other program runs on a dirty
+  CPU scheduler, which it holds for as long as the graph takes (the VM has one per
+  core): callers beyond that number wait their turn, and other libraries' dirty NIFs
+  with them, so a long GPU graph from many processes at once is better served by
+  `run/3` on a few streams. The first path exists because a dirty call leaves the
+  caller's scheduler without work: it busy-waits, taking a core from MLX's and BLAS's
+  threads, then sleeps and must be woken (on two cores, 10-20% of a 100 us graph;
+  `bench/README.md`).
 
   With `compile: true`, the first run on each stream traces the program and compiles it
   with `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the

@@ -303,7 +303,7 @@ fn program_eval<'a>(
         let mut out =
             ffi::program_dispatch_here(&program.spec.0, &v, device).map_err(|e| mlx_error(OP, e, &refs))?;
         if worker.device == Device::Cpu {
-            program.handed_over(ffi::inputs_signature(&v), start.elapsed());
+            program.handed_over(ffi::inputs_signature(&v), start.elapsed(), false);
         }
         ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
         check_outputs(OP, &out, program.outputs)?;
@@ -335,6 +335,8 @@ const ASYNC_MAX_NODES: usize = 40;
 /// long: the call then keeps its scheduler about as long as a small graph's that waits
 /// out `ASYNC_WAIT`. Measured on whichever path ran the graph last, so a graph that
 /// grows slower (a busier machine) goes back to the dirty scheduler at its next run.
+/// Once taken, a graph stays while its hand-over is within `ASYNC_WAIT`, so that one
+/// near the budget does not switch paths from run to run.
 const HANDOVER_BUDGET: Duration = Duration::from_micros(500);
 
 /// What `program_eval_async` knows of a program for one signature of its inputs'
@@ -345,6 +347,8 @@ struct Fit {
     small: Option<bool>,
     /// Its last hand-over to MLX on the CPU device, on either path.
     handover: Option<Duration>,
+    /// Whether that hand-over was `program_eval_async`'s.
+    taken: bool,
     /// Whether `program_eval_async` sleeps on it at once, without polling: its
     /// evaluations end too long after the hand-over for a poll to catch them (see the
     /// NIF).
@@ -352,15 +356,18 @@ struct Fit {
 }
 
 impl ProgramResource {
-    fn handed_over(&self, signature: u64, took: Duration) {
-        self.async_fits.lock().unwrap().entry(signature).or_default().handover = Some(took);
+    fn handed_over(&self, signature: u64, took: Duration, taken: bool) {
+        let mut fits = self.async_fits.lock().unwrap();
+        let fit = fits.entry(signature).or_default();
+        fit.handover = Some(took);
+        fit.taken = taken;
     }
 }
 
 /// Whether `program_eval_async` takes `program` on inputs like `v` (signature
 /// `signature`): when it builds at most `ASYNC_MAX_NODES` nodes (counted once per
 /// signature, by building the graph and dropping it), or when its last hand-over took
-/// at most `HANDOVER_BUDGET`. A program far longer than the node bound is not built to
+/// at most `HANDOVER_BUDGET` (`ASYNC_WAIT` if it was this NIF's). A program far longer than the node bound is not built to
 /// be counted (the count runs on a normal scheduler too): an instruction that adds no
 /// node is rare. Returns what is known of it and whether it is small, or `None` for the
 /// dirty scheduler.
@@ -378,7 +385,8 @@ fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Op
             (*fit, small)
         }
     };
-    (small || fit.handover.is_some_and(|t| t <= HANDOVER_BUDGET)).then_some((fit, small))
+    let budget = if fit.taken { ASYNC_WAIT } else { HANDOVER_BUDGET };
+    (small || fit.handover.is_some_and(|t| t <= budget)).then_some((fit, small))
 }
 
 /// How long `program_eval_async` may keep its normal scheduler, building included: the
@@ -450,7 +458,7 @@ fn program_eval_async<'a>(
         crate::error::raise(&mlx_error(OP, e, &refs))
     })?;
     if !small {
-        program.handed_over(signature, start.elapsed());
+        program.handed_over(signature, start.elapsed(), true);
     }
     check_outputs(OP, &out, program.outputs).map_err(|e| crate::error::raise(&e))?;
     *pending.outputs.lock().unwrap() = Some(out);
