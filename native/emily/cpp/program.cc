@@ -84,12 +84,12 @@ std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const Arra
 
 void program_finish_here(ArrayVec& outputs, int32_t device) { evaluate_row_contiguous(outputs.items, here(device)); }
 
-// The graph program_eval_async hands to MLX: the replay on this thread's CPU stream, each
+// The graph program_eval_async hands to MLX: the replay on this thread's CPU stream `s`, each
 // output ending in MLX's `contiguous`. Outputs leave as plain bytes, and whether one is
 // row-contiguous is known only once it is computed (`contiguous` shares the buffer when
 // it is). An input passed through is contiguous already.
-static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs) {
-  Stream s = mx::default_stream(mx::Device::cpu);
+static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs,
+                                           const Stream& s) {
   auto out = replay(p, inputs, s);
   for (auto& a : out)
     if (a.has_primitive()) a = mx::contiguous(a, false, s);
@@ -99,7 +99,7 @@ static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vec
 std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay_for_export(p, inputs.items);
+  out->items = replay_for_export(p, inputs.items, s);
   mx::async_eval(out->items);
   // Runs after every task of this evaluation (a CPU stream runs its tasks in order),
   // holding the outputs until then. std::function wants a copyable callable.
@@ -117,7 +117,7 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
 }
 
 size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
-  auto out = replay_for_export(p, inputs.items);
+  auto out = replay_for_export(p, inputs.items, mx::default_stream(mx::Device::cpu));
   std::unordered_set<std::uintptr_t> seen;
   std::vector<const array*> stack;
   for (auto& a : out) stack.push_back(&a);

@@ -307,14 +307,7 @@ fn program_eval<'a>(
         }
         ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
         check_outputs(OP, &out, program.outputs)?;
-        Ok::<_, Error>(
-            (0..program.outputs)
-                .map(|i| {
-                    let a = ffi::array_vec_take(out.pin_mut(), i).expect("output count checked");
-                    TensorResource::from_evaluated(&worker, a)
-                })
-                .collect::<Vec<_>>(),
-        )
+        Ok::<_, Error>(evaluated_tensors(&worker, out))
     });
     match res {
         Ok(outs) => Ok(outs.encode(env)),
@@ -367,10 +360,10 @@ impl ProgramResource {
 /// Whether `program_eval_async` takes `program` on inputs like `v` (signature
 /// `signature`): when it builds at most `ASYNC_MAX_NODES` nodes (counted once per
 /// signature, by building the graph and dropping it), or when its last hand-over took
-/// at most `HANDOVER_BUDGET` (`ASYNC_WAIT` if it was this NIF's). A program far longer than the node bound is not built to
-/// be counted (the count runs on a normal scheduler too): an instruction that adds no
-/// node is rare. Returns what is known of it and whether it is small, or `None` for the
-/// dirty scheduler.
+/// at most `HANDOVER_BUDGET` (`ASYNC_WAIT` if it was this NIF's). A program far longer
+/// than the node bound is not built to be counted (the count runs on a normal scheduler
+/// too): an instruction that adds no node is rare. Returns what is known of it and
+/// whether it is small, or `None` for the dirty scheduler.
 fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Option<(Fit, bool)> {
     let known = program.async_fits.lock().unwrap().get(&signature).copied().unwrap_or_default();
     // An entry made by a dirty run (its hand-over) may not be counted yet.
@@ -530,7 +523,8 @@ impl Resource for PendingEval {}
 pub struct Completion {
     progress: Mutex<Progress>,
     finished: Condvar,
-    /// `progress.done`, readable without the lock (for the NIF's polling).
+    /// Whether `progress.computed_at` is set, readable without the lock (for the NIF's
+    /// polling).
     computed: AtomicBool,
 }
 
@@ -542,9 +536,7 @@ struct Progress {
     expired: bool,
     /// The NIF stopped waiting: MLX's thread sends the result as a message instead.
     detached: bool,
-    /// The outputs are computed (either way).
-    done: bool,
-    /// When MLX's thread saw them computed.
+    /// When MLX's thread saw the outputs computed (either way they are reported).
     computed_at: Option<Instant>,
 }
 
@@ -578,7 +570,6 @@ pub fn eval_done(done: Box<EvalDone>, error: &str) {
             }
         };
         let mut progress = completion.progress.lock().unwrap();
-        progress.done = true;
         progress.computed_at = Some(Instant::now());
         completion.computed.store(true, Ordering::Release);
         if progress.detached {
@@ -600,26 +591,30 @@ pub fn eval_done(done: Box<EvalDone>, error: &str) {
 /// :ok}` has arrived, as evaluated tensors of the stream it was started for.
 #[rustler::nif]
 fn program_eval_take(pending: ResourceArc<PendingEval>) -> NifResult<Vec<TensorArg>> {
-    if !pending.completion.progress.lock().unwrap().done {
+    if pending.completion.progress.lock().unwrap().computed_at.is_none() {
         return Err(argument_error("program_eval_take: the evaluation has not finished"));
     }
     take_outputs(&pending)
 }
 
 fn take_outputs(pending: &PendingEval) -> NifResult<Vec<TensorArg>> {
-    let mut out = pending
+    let out = pending
         .outputs
         .lock()
         .unwrap()
         .take()
         .ok_or_else(|| argument_error("program_eval_take: the outputs were taken already"))?;
-    let n = ffi::array_vec_len(&out);
-    Ok((0..n)
+    Ok(evaluated_tensors(&pending.worker, out))
+}
+
+/// Evaluated outputs as tensors of `worker`'s stream.
+fn evaluated_tensors(worker: &Arc<Worker>, mut out: cxx::UniquePtr<ffi::ArrayVec>) -> Vec<TensorArg> {
+    (0..ffi::array_vec_len(&out))
         .map(|i| {
             let a = ffi::array_vec_take(out.pin_mut(), i).expect("index below the length");
-            TensorResource::from_evaluated(&pending.worker, a)
+            TensorResource::from_evaluated(worker, a)
         })
-        .collect())
+        .collect()
 }
 
 fn run(
