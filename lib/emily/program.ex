@@ -154,8 +154,8 @@ defmodule Emily.Program do
   end
 
   # Inputs evaluated, program not compiled: on the calling process's own scheduler when
-  # the program qualifies (`program_eval_async`: small, on the CPU), on a dirty CPU
-  # scheduler otherwise. `:pending` when an input is lazy.
+  # the program qualifies (`program_eval_async`: on the CPU, taken quickly by MLX), on a
+  # dirty CPU scheduler otherwise. `:pending` when an input is lazy.
   defp eval_here(stream, program, inputs) do
     ref = make_ref()
 

@@ -26,10 +26,9 @@ defmodule Emily.Stream do
   A stream lives as long as its handle or any tensor made on it. Then its worker thread
   goes back to an idle pool, with its MLX stream, and the next `new/1` of that device
   takes it instead of starting a thread (its first jobs run once the thread has finished
-  the last stream's): MLX never reclaims a stream (nor, on the CPU,
-  the OS thread that runs its kernels), so Emily keeps the set of threads that call MLX
-  as small as the most streams alive at once, however many come and go
-  (`thread_stats/1`).
+  the last stream's): MLX never reclaims a stream (nor, on the CPU, the OS thread that
+  runs its kernels), so Emily keeps the set of threads that call MLX as small as the
+  most streams alive at once, however many come and go (`thread_stats/1`).
 
   `release/1` lets go of a stream early: it refuses new work at once (an
   `ArgumentError` from any op or tensor creation on it), work already queued completes,

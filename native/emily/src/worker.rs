@@ -15,20 +15,21 @@
 //! its queue and puts its thread back in an idle pool, with its MLX stream, at once; the
 //! thread drains the queue and drops its arrays and compiled programs before it takes its
 //! next session. The next new stream on that device takes an idle thread instead of
-//! starting one, even one still ending its last session. MLX never reclaims a stream (nor, on the CPU,
-//! the OS thread that runs its kernels), so reusing threads is what keeps the set of
-//! threads that call MLX bounded by the most streams ever alive at once, however many
-//! streams come and go. Each thread also makes its stream its MLX default, so that MLX
-//! code that falls back to the default stream does not create another one.
+//! starting one, even one still ending its last session. MLX never reclaims a stream
+//! (nor, on the CPU, the OS thread that runs its kernels), so reusing threads is what
+//! keeps the set of threads that call MLX bounded by the most streams ever alive at
+//! once, however many streams come and go. Each thread also makes its stream its MLX
+//! default, so that MLX code that falls back to the default stream does not create
+//! another one.
 //!
 //! One path bypasses the workers: `program_eval` (src/ops/program.rs) builds and
 //! evaluates a whole program inside one dirty-scheduler NIF call, on that thread's own
 //! default stream, from evaluated inputs, so nothing lazy outlives the call or crosses a
-//! thread; `program_eval_async` does the same for a small CPU program on a normal
-//! scheduler, and may leave MLX's thread to finish the evaluation (its outputs are read
-//! only once that thread says they are computed). The schedulers are a fixed set of
-//! threads, so the streams they leave behind stay few. `run_busy` and `Busy` count such
-//! calls and evaluations in the exit guard below.
+//! thread; `program_eval_async` does the same for a CPU program that MLX takes quickly,
+//! on a normal scheduler, and may leave MLX's thread to finish the evaluation (its
+//! outputs are read only once that thread says they are computed). The schedulers are a
+//! fixed set of threads, so the streams they leave behind stay few. `run_busy` and
+//! `Busy` count such calls and evaluations in the exit guard below.
 //!
 //! ## Cross-stream inputs, and why they cannot deadlock
 //!
