@@ -87,7 +87,7 @@ defmodule Emily.WorkerTest do
         # A task replies before it exits, and its heap (the stream's last handles) is
         # freed as it exits, on a busy machine a while later: the next stream is made
         # once this one's thread is idle.
-        wait_until(fn -> elem(N.stream_threads(:cpu), 1) > 0 end)
+        wait_until(fn -> Emily.Stream.thread_stats(:cpu).idle > 0 end)
       end
     end
 
