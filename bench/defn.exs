@@ -6,7 +6,7 @@
 # Needs Nx: run it from a Mix project with both Emily and Nx as dependencies, in a
 # non-test environment (the test config checks every op's result):
 #
-#     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick] [--keep=DIR] [repeats]
+#     MIX_ENV=dev mix run path/to/emily/bench/defn.exs [--quick] [--keep=DIR] [--pairs=N] [repeats]
 #
 # `--keep=DIR` keeps the lowered programs and their inputs in DIR, for bench/program.exs
 # (which replays them beside Python MLX without Nx, e.g. on a machine that has no Nx).
@@ -21,7 +21,9 @@
 #
 # Prints, per graph: the lowered program's instruction count (ops), each path's best
 # mean time per run (result read back to the host), time per op, and the ratios to
-# Python; then the chain at two lengths split into a fixed cost per run and a cost per op.
+# Python; then the chain at two lengths split into a fixed cost per run and a cost per op;
+# then the native paths against Python in paired windows (`--pairs=N`, default 30; 0
+# leaves them out), the comparison least moved by the host's load.
 unless Code.ensure_loaded?(Nx) do
   raise "bench/defn.exs needs Nx (see the comment at the top)"
 end
@@ -447,6 +449,49 @@ for {label, a, b} <- chain_rows do
     "| #{label} | #{Bench.Defn.fmt(a)} | #{Bench.Defn.fmt(b)} | #{Bench.Defn.fmt(fixed)} | " <>
       "#{:erlang.float_to_binary(per_op, decimals: 2)} us | #{Bench.Defn.r(per_op / py_op)} |"
   )
+end
+
+# Paired windows (Bench.paired/6): each Emily window beside a Python window run right
+# next to it, so that the host's slow and fast phases fall on both sides alike.
+pairs =
+  Enum.find_value(argv, 30, fn a ->
+    String.starts_with?(a, "--pairs=") && String.to_integer(String.trim_leading(a, "--pairs="))
+  end)
+
+if pairs > 0 do
+  server =
+    Bench.python_server(Path.join(__DIR__, "defn.py"), [Path.join(dir, "graphs.py")], [
+      {"LD_PRELOAD", "libopenblas.so.0"}
+    ])
+
+  IO.puts("""
+
+  Paired windows: #{pairs} pairs per row, each one window of Emily's calls and one of
+  Python's runs of the same graph (four times the reps above), in alternating order.
+  Medians of each side's mean time per run and of the pairs' ratios (Emily / Python), the ratios'
+  quartiles, and the share of pairs in which Emily was the faster.
+  | graph | Emily | Python | Emily per run | Python per run | ratio (q1-q3) | Emily faster |
+  |---|---|---|---|---|---|---|\
+  """)
+
+  for g <- graphs,
+      {label, py} <- [
+        {"native", "eager"},
+        {"native, Nx.Defn.compile", "eager"},
+        {"native, mx::compile", "compiled"}
+      ] do
+    f = Enum.find_value(g.paths, fn {l, f} -> l == label && f end)
+    run = fn -> f |> apply(g.emily_args) |> Nx.to_binary() end
+    r = Bench.paired(run, server, "#{g.slug}_#{py}", 4 * g.reps, pairs)
+
+    IO.puts(
+      "| #{g.name} | #{label} | #{py} | #{Bench.Defn.fmt(r.emily)} | " <>
+        "#{Bench.Defn.fmt(r.python)} | **#{Bench.Defn.r(r.ratio)}** " <>
+        "(#{Bench.Defn.r(r.q1)}-#{Bench.Defn.r(r.q3)}) | #{round(r.faster * 100)}% |"
+    )
+  end
+
+  Port.close(server)
 end
 
 if keep =

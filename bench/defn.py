@@ -12,12 +12,14 @@ It prints `name_eager us` and `name_compiled us` lines (best mean microseconds p
 and writes each graph's eager and compiled results beside the dump, for bench/defn.exs
 to compare with Emily's. Run by bench/defn.exs (with OpenBLAS preloaded, which is what
 Emily links); alone, `python3 bench/defn.py DUMP [--source]` (`--source` prints the
-generated functions).
+generated functions). With `--serve` it times windows on request instead (`serve`), for
+the paired comparison of bench/defn.exs and bench/program.exs.
 """
 import ast
 import math
 import os
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -130,27 +132,59 @@ def local(path, dump):
     return os.path.join(os.path.dirname(os.path.abspath(dump)), os.path.basename(path))
 
 
-def main():
-    with open(sys.argv[1]) as f:
+def load(dump):
+    """Each graph of the dump with its inputs, as `(graph, {label: run})`: `run` builds the
+    graph eagerly (or through mx.compile), evaluates it and reads the results back."""
+    with open(dump) as f:
         graphs = ast.literal_eval(f.read())
     mx.set_default_device(mx.cpu)
     for g in graphs:
-        g["out"] = local(g["out"], sys.argv[1])
-        inputs = [mx.array(np.fromfile(local(path, sys.argv[1]), dtype=NP[d]).reshape(shape))
+        g["out"] = local(g["out"], dump)
+        inputs = [mx.array(np.fromfile(local(path, dump), dtype=NP[d]).reshape(shape))
                   for path, shape, d in g["inputs"]]
         mx.eval(inputs)
         fun, source = build(g, inputs)
         if "--source" in sys.argv:
             print(source, file=sys.stderr)
-        compiled = mx.compile(fun)
 
-        def run(f):
+        def run(f, inputs=inputs):
             return lambda: [np.array(y) for y in f(*inputs)]
 
-        for label, f in (("eager", fun), ("compiled", compiled)):
-            for i, y in enumerate(run(f)()):
+        yield g, {"eager": run(fun), "compiled": run(mx.compile(fun))}
+
+
+def serve(dump):
+    """Timed windows on request, for a benchmark that alternates them with its own: reads
+    `NAME REPS WARM` lines and answers each with the mean microseconds per run of REPS
+    runs of that graph, after untimed runs for WARM milliseconds, once a `ready` line has
+    said that every graph is built."""
+    runs = {}
+    for g, fns in load(dump):
+        for label, f in fns.items():
+            f()
+            runs[f"{g['name']}_{label}"] = f
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name, reps, warm = line.split()
+        f, reps = runs[name], int(reps)
+        until = time.perf_counter() + int(warm) / 1000
+        f()
+        while time.perf_counter() < until:
+            f()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        print(f"{(time.perf_counter() - t0) / reps * 1e6:.3f}", flush=True)
+
+
+def main():
+    if "--serve" in sys.argv:
+        return serve(sys.argv[1])
+    for g, fns in load(sys.argv[1]):
+        for label, f in fns.items():
+            for i, y in enumerate(f()):
                 y.tofile(f"{g['out']}_{label}_{i}.bin")
-            print(f"{g['name']}_{label} {best(run(f), g['reps']):.3f}")
+            print(f"{g['name']}_{label} {best(f, g['reps']):.3f}")
 
 
 if __name__ == "__main__":

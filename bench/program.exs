@@ -3,8 +3,8 @@
 # instructions (bench/defn.py), in one run. For machines without Nx, such as a GPU server
 # running a bundle (README, "Running on a GPU server"):
 #
-#     mix run --no-deps-check bench/program.exs DIR [repeats]     (in a checkout)
-#     bin/emily-run bench/program.exs DIR [repeats]               (in a bundle)
+#     mix run --no-deps-check bench/program.exs DIR [repeats] [--pairs=N]   (in a checkout)
+#     bin/emily-run bench/program.exs DIR [repeats] [--pairs=N]             (in a bundle)
 #
 # Runs on the CPU device, as bench/defn.exs does. `repeats` > 1 alternates Emily and
 # Python passes and keeps each figure's best. EMILY_PYTHONPATH names the folder holding
@@ -14,14 +14,21 @@
 # Prints, per graph, the best mean time per run (outputs read back to the host) of
 # `Program.eval/3` (the native path's call), `Program.run/3` + read, and the program
 # compiled with mx::compile, beside Python eager and mx.compile; then the chain at two
-# lengths split into a fixed cost per run and a cost per op.
+# lengths split into a fixed cost per run and a cost per op; then `Program.eval` and
+# mx::compile against Python in paired windows (Bench.paired/6; `--pairs=N`, default 30).
 Code.require_file("support/bench.exs", __DIR__)
 
+{pairs, argv} =
+  case Enum.split_with(System.argv(), &String.starts_with?(&1, "--pairs=")) do
+    {[], argv} -> {30, argv}
+    {flags, argv} -> {String.to_integer(String.trim_leading(List.last(flags), "--pairs=")), argv}
+  end
+
 {dir, repeats} =
-  case System.argv() do
+  case argv do
     [dir] -> {dir, 1}
     [dir, n] -> {dir, String.to_integer(n)}
-    _ -> raise "usage: bench/program.exs DIR [repeats] (DIR from bench/defn.exs --keep=DIR)"
+    _ -> raise "usage: bench/program.exs DIR [repeats] [--pairs=N] (DIR from defn.exs --keep=DIR)"
   end
 
 defmodule Bench.Program do
@@ -162,4 +169,43 @@ with {16, short} <- times["chain_of_16_sin_cos_1x8"],
       "| #{label} | #{Bench.Program.fmt(fixed)} | #{:erlang.float_to_binary(per_op, decimals: 2)} us | #{Bench.Program.r(per_op / py_op)} |"
     )
   end
+end
+
+# Paired windows (Bench.paired/6): the figures above keep each side's best window, which
+# the host's load moves by tens of percent from pass to pass; here each Emily window is
+# compared with a Python window run right beside it.
+if pairs > 0 do
+  server =
+    Bench.python_server(Path.join(__DIR__, "defn.py"), [Path.join(dir, "graphs.py")], [
+      {"LD_PRELOAD", System.get_env("EMILY_BENCH_BLAS", "libopenblas.so.0")}
+    ])
+
+  IO.puts("""
+
+  Paired windows: #{pairs} pairs per row, one window of Emily's calls and one of Python's
+  runs of the same graph each, in alternating order. Medians of each side's mean time per
+  run and of the pairs' ratios (Emily / Python), the ratios' quartiles, and the share of
+  pairs in which Emily was the faster.
+  | graph | Emily | Python | Emily per run | Python per run | ratio (q1-q3) | Emily faster |
+  |---|---|---|---|---|---|---|\
+  """)
+
+  for g <- graphs,
+      {label, program, py} <- [
+        {"Program.eval", g.plain, "eager"},
+        {"mx::compile", g.compiled, "compiled"}
+      ] do
+    read = fn ->
+      Enum.each(Emily.Program.eval(program, g.tensors, stream: g.stream), &Emily.to_binary/1)
+    end
+
+    r = Bench.paired(read, server, "#{g.name}_#{py}", 4 * g.reps, pairs)
+
+    IO.puts(
+      "| #{g.name} | #{label} | #{py} | #{Bench.Program.fmt(r.emily)} | #{Bench.Program.fmt(r.python)} | " <>
+        "**#{Bench.Program.r(r.ratio)}** (#{Bench.Program.r(r.q1)}-#{Bench.Program.r(r.q3)}) | #{round(r.faster * 100)}% |"
+    )
+  end
+
+  Port.close(server)
 end

@@ -19,16 +19,99 @@ defmodule Bench do
   as a map.
   """
   def python(script, args \\ [], env \\ []) do
-    path =
-      System.get_env("EMILY_PYTHONPATH") ||
-        Path.join(System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily")), "current")
-
-    {out, 0} = System.cmd("python3", [script | args], env: [{"PYTHONPATH", path} | env])
+    {out, 0} = System.cmd("python3", [script | args], env: python_env(env))
 
     for line <- String.split(out, "\n", trim: true),
         [k, v] <- [String.split(line)],
         {x, ""} <- [Float.parse(v)],
         into: %{},
         do: {k, x}
+  end
+
+  defp python_env(env) do
+    path =
+      System.get_env("EMILY_PYTHONPATH") ||
+        Path.join(System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily")), "current")
+
+    [{"PYTHONPATH", path} | env]
+  end
+
+  @doc """
+  Emily's time against Python's, window by window: `pairs` pairs of one window of `reps`
+  calls of `fun` and one of `reps` runs of `name` in a Python server (`python_server/3`),
+  the order swapped from pair to pair. The host's load moves both sides' times by tens
+  of percent over seconds; two windows of one pair, a fraction of a second apart, see
+  the same load, so the ratio within each pair is what is compared.
+
+  Each window first runs its calls untimed for `warm` ms: a process's OpenBLAS threads
+  spin for about 0.1 s after its last call before they sleep, and on a small machine the
+  spinning of the side that just finished would slow the other side's window. (Leaving
+  the machine idle between windows instead puts the next window in a slower state of
+  the host's, for both sides.)
+
+  Returns the medians of each side's time per call and of the pairs' ratios (Emily /
+  Python), the ratios' quartiles and the share of pairs where Emily was the faster.
+  """
+  def paired(fun, server, name, reps, pairs, warm \\ 150) do
+    window = fn ->
+      until = System.monotonic_time(:millisecond) + warm
+      warm_up(fun, until)
+      elem(:timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end), 0) / reps
+    end
+
+    times =
+      for i <- 1..pairs//1 do
+        if rem(i, 2) == 0 do
+          e = window.()
+          {e, python_window(server, name, reps, warm)}
+        else
+          p = python_window(server, name, reps, warm)
+          {window.(), p}
+        end
+      end
+
+    ratios = Enum.sort(for {e, p} <- times, do: e / p)
+    q = fn list, f -> Enum.at(list, min(length(list) - 1, trunc(f * length(list)))) end
+
+    %{
+      emily: q.(Enum.sort(Enum.map(times, &elem(&1, 0))), 0.5),
+      python: q.(Enum.sort(Enum.map(times, &elem(&1, 1))), 0.5),
+      ratio: q.(ratios, 0.5),
+      q1: q.(ratios, 0.25),
+      q3: q.(ratios, 0.75),
+      faster: Enum.count(ratios, &(&1 < 1.0)) / pairs
+    }
+  end
+
+  defp warm_up(fun, until) do
+    fun.()
+    if System.monotonic_time(:millisecond) < until, do: warm_up(fun, until)
+  end
+
+  @doc "Starts `script --serve` (bench/defn.py's server of timed windows) on `args`."
+  def python_server(script, args, env) do
+    python = System.find_executable("python3") || raise "python3 not found"
+
+    port =
+      Port.open({:spawn_executable, python}, [
+        :binary,
+        {:line, 1024},
+        args: [script | args] ++ ["--serve"],
+        env: Enum.map(python_env(env), fn {k, v} -> {~c"#{k}", ~c"#{v}"} end)
+      ])
+
+    receive do
+      {^port, {:data, {:eol, "ready"}}} -> port
+    after
+      600_000 -> raise "the Python server did not start"
+    end
+  end
+
+  defp python_window(port, name, reps, warm) do
+    Port.command(port, "#{name} #{reps} #{warm}\n")
+
+    receive do
+      {^port, {:data, {:eol, us}}} -> String.to_float(us)
+    end
   end
 end
