@@ -468,8 +468,8 @@ if pairs > 0 do
 
   Paired windows: #{pairs} pairs per row, each one window of Emily's calls and one of
   Python's runs of the same graph (four times the reps above), in alternating order.
-  Medians of each side's mean time per run and of the pairs' ratios (Emily / Python), the ratios'
-  quartiles, and the share of pairs in which Emily was the faster.
+  Medians of each side's mean time per run and of the pairs' ratios (Emily / Python),
+  the ratios' quartiles, and the share of pairs in which Emily was the faster.
   | graph | Emily | Python | Emily per run | Python per run | ratio (q1-q3) | Emily faster |
   |---|---|---|---|---|---|---|\
   """)
