@@ -95,6 +95,7 @@ defmodule Bench do
     port =
       Port.open({:spawn_executable, python}, [
         :binary,
+        :exit_status,
         {:line, 1024},
         args: [script | args] ++ ["--serve"],
         env: Enum.map(python_env(env), fn {k, v} -> {~c"#{k}", ~c"#{v}"} end)
@@ -102,8 +103,7 @@ defmodule Bench do
 
     receive do
       {^port, {:data, {:eol, "ready"}}} -> port
-    after
-      600_000 -> raise "the Python server did not start"
+      {^port, {:exit_status, status}} -> raise "the Python server exited (#{status})"
     end
   end
 
@@ -112,6 +112,7 @@ defmodule Bench do
 
     receive do
       {^port, {:data, {:eol, us}}} -> String.to_float(us)
+      {^port, {:exit_status, status}} -> raise "the Python server exited (#{status})"
     end
   end
 end
