@@ -453,45 +453,22 @@ end
 
 # Paired windows (Bench.paired/6): each Emily window beside a Python window run right
 # next to it, so that the host's slow and fast phases fall on both sides alike.
-pairs =
-  Enum.find_value(argv, 30, fn a ->
-    String.starts_with?(a, "--pairs=") && String.to_integer(String.trim_leading(a, "--pairs="))
-  end)
+{pairs, _} = Bench.pairs_option(argv)
 
 if pairs > 0 do
-  server =
-    Bench.python_server(Path.join(__DIR__, "defn.py"), [Path.join(dir, "graphs.py")], [
-      {"LD_PRELOAD", "libopenblas.so.0"}
-    ])
+  rows =
+    for g <- graphs,
+        {label, py} <- [
+          {"native", "eager"},
+          {"native, Nx.Defn.compile", "eager"},
+          {"native, mx::compile", "compiled"}
+        ] do
+      f = Enum.find_value(g.paths, fn {l, f} -> l == label && f end)
+      run = fn -> f |> apply(g.emily_args) |> Nx.to_binary() end
+      {[g.name, label, py], run, "#{g.slug}_#{py}", 4 * g.reps}
+    end
 
-  IO.puts("""
-
-  Paired windows: #{pairs} pairs per row, each one window of Emily's calls and one of
-  Python's runs of the same graph (four times the reps above), in alternating order.
-  Medians of each side's mean time per run and of the pairs' ratios (Emily / Python),
-  the ratios' quartiles, and the share of pairs in which Emily was the faster.
-  | graph | Emily | Python | Emily per run | Python per run | ratio (q1-q3) | Emily faster |
-  |---|---|---|---|---|---|---|\
-  """)
-
-  for g <- graphs,
-      {label, py} <- [
-        {"native", "eager"},
-        {"native, Nx.Defn.compile", "eager"},
-        {"native, mx::compile", "compiled"}
-      ] do
-    f = Enum.find_value(g.paths, fn {l, f} -> l == label && f end)
-    run = fn -> f |> apply(g.emily_args) |> Nx.to_binary() end
-    r = Bench.paired(run, server, "#{g.slug}_#{py}", 4 * g.reps, pairs)
-
-    IO.puts(
-      "| #{g.name} | #{label} | #{py} | #{Bench.Defn.fmt(r.emily)} | " <>
-        "#{Bench.Defn.fmt(r.python)} | **#{Bench.Defn.r(r.ratio)}** " <>
-        "(#{Bench.Defn.r(r.q1)}-#{Bench.Defn.r(r.q3)}) | #{round(r.faster * 100)}% |"
-    )
-  end
-
-  Port.close(server)
+  Bench.paired_table(Path.join(dir, "graphs.py"), "libopenblas.so.0", pairs, rows)
 end
 
 if keep =

@@ -18,11 +18,7 @@
 # mx::compile against Python in paired windows (Bench.paired/6; `--pairs=N`, default 30).
 Code.require_file("support/bench.exs", __DIR__)
 
-{pairs, argv} =
-  case Enum.split_with(System.argv(), &String.starts_with?(&1, "--pairs=")) do
-    {[], argv} -> {30, argv}
-    {flags, argv} -> {String.to_integer(String.trim_leading(List.last(flags), "--pairs=")), argv}
-  end
+{pairs, argv} = Bench.pairs_option(System.argv())
 
 {dir, repeats} =
   case argv do
@@ -175,37 +171,19 @@ end
 # the host's load moves by tens of percent from pass to pass; here each Emily window is
 # compared with a Python window run right beside it.
 if pairs > 0 do
-  server =
-    Bench.python_server(Path.join(__DIR__, "defn.py"), [Path.join(dir, "graphs.py")], [
-      {"LD_PRELOAD", System.get_env("EMILY_BENCH_BLAS", "libopenblas.so.0")}
-    ])
+  rows =
+    for g <- graphs,
+        {label, program, py} <- [
+          {"Program.eval", g.plain, "eager"},
+          {"mx::compile", g.compiled, "compiled"}
+        ] do
+      read = fn ->
+        Enum.each(Emily.Program.eval(program, g.tensors, stream: g.stream), &Emily.to_binary/1)
+      end
 
-  IO.puts("""
-
-  Paired windows: #{pairs} pairs per row, one window of Emily's calls and one of Python's
-  runs of the same graph each, in alternating order. Medians of each side's mean time per
-  run and of the pairs' ratios (Emily / Python), the ratios' quartiles, and the share of
-  pairs in which Emily was the faster.
-  | graph | Emily | Python | Emily per run | Python per run | ratio (q1-q3) | Emily faster |
-  |---|---|---|---|---|---|---|\
-  """)
-
-  for g <- graphs,
-      {label, program, py} <- [
-        {"Program.eval", g.plain, "eager"},
-        {"mx::compile", g.compiled, "compiled"}
-      ] do
-    read = fn ->
-      Enum.each(Emily.Program.eval(program, g.tensors, stream: g.stream), &Emily.to_binary/1)
+      {[g.name, label, py], read, "#{g.name}_#{py}", 4 * g.reps}
     end
 
-    r = Bench.paired(read, server, "#{g.name}_#{py}", 4 * g.reps, pairs)
-
-    IO.puts(
-      "| #{g.name} | #{label} | #{py} | #{Bench.Program.fmt(r.emily)} | #{Bench.Program.fmt(r.python)} | " <>
-        "**#{Bench.Program.r(r.ratio)}** (#{Bench.Program.r(r.q1)}-#{Bench.Program.r(r.q3)}) | #{round(r.faster * 100)}% |"
-    )
-  end
-
-  Port.close(server)
+  blas = System.get_env("EMILY_BENCH_BLAS", "libopenblas.so.0")
+  Bench.paired_table(Path.join(dir, "graphs.py"), blas, pairs, rows)
 end

@@ -50,7 +50,8 @@ defmodule Bench do
   the host's, for both sides.)
 
   Returns the medians of each side's time per call and of the pairs' ratios (Emily /
-  Python), the ratios' quartiles and the share of pairs where Emily was the faster.
+  Python), the ratios' quartiles and the share of pairs where Emily was the faster. A
+  median of an even count is the upper of its two middle values.
   """
   def paired(fun, server, name, reps, pairs, warm \\ 150) do
     window = fn ->
@@ -86,6 +87,50 @@ defmodule Bench do
   defp warm_up(fun, until) do
     fun.()
     if System.monotonic_time(:millisecond) < until, do: warm_up(fun, until)
+  end
+
+  @doc "The `--pairs=N` option among a bench's arguments (default 30), and the others."
+  def pairs_option(argv) do
+    {flags, rest} = Enum.split_with(argv, &String.starts_with?(&1, "--pairs="))
+
+    case List.last(flags) do
+      nil -> {30, rest}
+      "--pairs=" <> n -> {String.to_integer(n), rest}
+    end
+  end
+
+  @doc """
+  Runs and prints a table of `paired/6` comparisons against bench/defn.py's server on
+  `dump` (its graphs file), with `blas` preloaded on the Python side. Each row is
+  `{cells, fun, name, reps}`: the row's first cells, Emily's call, the server's graph
+  and the calls per window.
+  """
+  def paired_table(dump, blas, pairs, rows) do
+    server = python_server(Path.expand("../defn.py", __DIR__), [dump], [{"LD_PRELOAD", blas}])
+
+    IO.puts("""
+
+    Paired windows: #{pairs} pairs per row, each one window of Emily's calls and one of
+    Python's runs of the same graph (four times the reps above), in alternating order.
+    Medians of each side's mean time per run and of the pairs' ratios (Emily / Python),
+    the ratios' quartiles, and the share of pairs in which Emily was the faster.
+    | graph | Emily | Python | Emily per run | Python per run | ratio (q1-q3) | Emily faster |
+    |---|---|---|---|---|---|---|\
+    """)
+
+    ratio = fn x -> :erlang.float_to_binary(x, decimals: 2) end
+    us = fn x -> :erlang.float_to_binary(x * 1.0, decimals: 1) <> " us" end
+
+    for {cells, fun, name, reps} <- rows do
+      r = paired(fun, server, name, reps, pairs)
+
+      IO.puts(
+        "| #{Enum.join(cells, " | ")} | #{us.(r.emily)} | #{us.(r.python)} | " <>
+          "**#{ratio.(r.ratio)}** (#{ratio.(r.q1)}-#{ratio.(r.q3)}) | #{round(r.faster * 100)}% |"
+      )
+    end
+
+    Port.close(server)
   end
 
   @doc "Starts `script --serve` (bench/defn.py's server of timed windows) on `args`."
