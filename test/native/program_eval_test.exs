@@ -195,6 +195,29 @@ defmodule Emily.ProgramEvalTest do
     assert N.program_eval_async(cpu(), long, [x], make_ref()) == :dirty
   end
 
+  # While `program_eval_async` queues a graph, MLX's thread for the stream is held (so
+  # that it takes the graph in one go); MLX itself waits for that thread once enough of
+  # the graph is queued, so the hold ends by itself before.
+  test "a graph queued past MLX's limit of tasks in flight is not held up" do
+    x = t([0.5])
+    Emily.eval(x)
+    # 80 nodes: some 160 tasks for MLX, 16 task groups where it waits past 10 (and a
+    # hand-over short enough to be taken).
+    chain = Program.new(for(i <- 0..79, do: {:sin, [i]}), inputs: 1)
+    [want] = Program.eval(chain, [x], stream: cpu())
+    ref = make_ref()
+
+    take = fn ->
+      with :dirty <- N.program_eval_async(cpu(), chain, [x], ref) do
+        Program.eval(chain, [x], stream: cpu())
+        :dirty
+      end
+    end
+
+    for _ <- 1..20, do: assert(l(hd(taken(take, ref))) == l(want))
+    assert_close(l(want), [Enum.reduce(1..80, 0.5, fn _, v -> :math.sin(v) end)])
+  end
+
   @tag :gpu
   test "a GPU program goes to a dirty scheduler" do
     ins = inputs()
