@@ -412,7 +412,9 @@ const ASYNC_POLL: Duration = Duration::from_micros(50);
 /// node bound keeps a small graph's own dispatches below that, and a larger graph's
 /// waits for its own were measured short (`HANDOVER_BUDGET`). Work still queued on
 /// this thread's stream (a caller's that stopped waiting) delays only the evaluation,
-/// not the NIF's return.
+/// not the NIF's return. While the graph is queued, MLX's thread for the stream is held
+/// in a spin, so that it takes the graph in one go (`Gate` in cpp/program.cc; it lets go
+/// by itself before MLX's waits could wait on it).
 #[rustler::nif]
 fn program_eval_async<'a>(
     env: Env<'a>,
