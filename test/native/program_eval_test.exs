@@ -151,6 +151,17 @@ defmodule Emily.ProgramEvalTest do
     end
   end
 
+  # A `program_eval_async` call for `taken/2` that, each time it declines, runs the
+  # program on the dirty scheduler, where its hand-over to MLX is measured.
+  defp measuring(program, inputs, ref) do
+    fn ->
+      with :dirty <- N.program_eval_async(cpu(), program, inputs, ref) do
+        Program.eval(program, inputs, stream: cpu())
+        :dirty
+      end
+    end
+  end
+
   # `program_eval_async` takes CPU programs only: these tests name the CPU stream (the
   # default stream of a CUDA build is the GPU's, whose programs go to `program_eval`).
   test "on the CPU a small program is evaluated in the call, without a dirty scheduler" do
@@ -177,15 +188,7 @@ defmodule Emily.ProgramEvalTest do
 
     # Each dirty run measures the hand-over again (a busy machine may make one slow).
     ref = make_ref()
-
-    take = fn ->
-      with :dirty <- N.program_eval_async(cpu(), chain, [x], ref) do
-        Program.eval(chain, [x], stream: cpu())
-        :dirty
-      end
-    end
-
-    assert l(hd(taken(take, ref))) == l(y)
+    assert l(hd(taken(measuring(chain, [x], ref), ref))) == l(y)
 
     # 3000 nodes: building them alone, and MLX's waits for its own earlier work while
     # they are handed over, take milliseconds.
@@ -206,15 +209,7 @@ defmodule Emily.ProgramEvalTest do
     chain = Program.new(for(i <- 0..79, do: {:sin, [i]}), inputs: 1)
     [want] = Program.eval(chain, [x], stream: cpu())
     ref = make_ref()
-
-    take = fn ->
-      with :dirty <- N.program_eval_async(cpu(), chain, [x], ref) do
-        Program.eval(chain, [x], stream: cpu())
-        :dirty
-      end
-    end
-
-    for _ <- 1..20, do: assert(l(hd(taken(take, ref))) == l(want))
+    for _ <- 1..20, do: assert(l(hd(taken(measuring(chain, [x], ref), ref))) == l(want))
     assert_close(l(want), [Enum.reduce(1..80, 0.5, fn _, v -> :math.sin(v) end)])
   end
 
