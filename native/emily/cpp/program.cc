@@ -106,7 +106,7 @@ static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vec
 // task must wake it, a system call for the queueing thread that is slow wherever waking a
 // thread on another core is (a VM). Spinning in a task of its own (yielding its core to
 // any thread that wants it), the thread takes the graph in one go once it is queued
-// (bench/README.md: MLX's queueing of the MLP went from 35-48 to 17-24 us). It lets go
+// (bench/README.md: MLX's queueing of the MLP went from 35-48 to 18-23 us). It lets go
 // by itself before MLX would wait for it (MLX waits with more than 10 task groups in
 // flight, or with memory over its limit), and after GATE_MAX at most (a queueing thread
 // descheduled midway).
