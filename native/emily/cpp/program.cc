@@ -1,13 +1,10 @@
 // Graphs: async eval and program replay. See program.h.
 #include "program.h"
 
-#include <atomic>
-#include <chrono>
 #include <csignal>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <thread>
 #include <unordered_set>
 
 #include "emily/src/bridge.rs.h"
@@ -100,52 +97,8 @@ static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vec
   return out;
 }
 
-// Holds MLX's thread for a CPU stream while a graph is queued to it. MLX queues a graph
-// task by task (two or more per op), and its thread sleeps whenever its queue runs dry:
-// computing each small op as soon as it is queued, it sleeps between them, and each next
-// task must wake it, a system call for the queueing thread that is slow wherever waking a
-// thread on another core is (a VM). Spinning in a task of its own (yielding its core to
-// any thread that wants it), the thread takes the graph in one go once it is queued
-// (bench/README.md: MLX's queueing of the MLP went from 35-48 to 18-23 us). It lets go
-// by itself before MLX would wait for it (MLX waits with more than 10 task groups in
-// flight, or with memory over its limit), and after GATE_MAX at most (a queueing thread
-// descheduled midway).
-class Gate {
- public:
-  static constexpr int GATE_TASKS = 8;
-  static constexpr std::chrono::microseconds GATE_MAX{500};
-
-  // Queues the spin on `s`; it ends when the returned gate is dropped, or by itself.
-  static std::shared_ptr<Gate> hold(const Stream& s) {
-    auto g = std::make_shared<Gate>();
-    mx::scheduler::enqueue(s, [g] { g->spin(); });
-    return g;
-  }
-  void open() { open_.store(true, std::memory_order_release); }
-
- private:
-  void spin() const {
-    auto until = std::chrono::steady_clock::now() + GATE_MAX;
-    for (unsigned i = 1; !open_.load(std::memory_order_acquire); i++) {
-      if (i % 16 == 0 && (mx::scheduler::n_active_tasks() >= GATE_TASKS ||
-                          mx::get_active_memory() > mx::get_memory_limit() ||
-                          std::chrono::steady_clock::now() > until))
-        return;
-      std::this_thread::yield();
-    }
-  }
-  std::atomic<bool> open_{false};
-};
-
-// Opens the gate however the queueing ends (an op MLX rejects throws).
-struct Opening {
-  std::shared_ptr<Gate> gate;
-  ~Opening() { gate->open(); }
-};
-
 std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
   Stream s = mx::default_stream(mx::Device::cpu);
-  Opening held{Gate::hold(s)};
   auto out = std::make_unique<ArrayVec>();
   out->items = replay_for_export(p, inputs.items, s);
   mx::async_eval(out->items);
@@ -189,9 +142,15 @@ uint64_t inputs_signature(const ArrayVec& inputs) {
   return h;
 }
 
-bool mlx_idle() {
-  return mx::scheduler::n_active_tasks() == 0 && mx::get_active_memory() < mx::get_memory_limit();
+void hold_cpu_stream(rust::Box<HoldTask> task) {
+  // std::function wants a copyable callable.
+  auto t = std::make_shared<rust::Box<HoldTask>>(std::move(task));
+  mx::scheduler::enqueue(mx::default_stream(mx::Device::cpu), [t] { hold_run(**t); });
 }
+
+int32_t mlx_tasks_in_flight() { return mx::scheduler::n_active_tasks(); }
+
+bool mlx_memory_over_limit() { return mx::get_active_memory() > mx::get_memory_limit(); }
 
 Compiled::~Compiled() { mx::detail::compile_erase(mx::detail::compile_cache(), id); }
 

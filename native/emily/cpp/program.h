@@ -63,9 +63,13 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
 // hash of the inputs' shapes and dtypes, which decide that number.
 size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs);
 uint64_t inputs_signature(const ArrayVec& inputs);
-// Whether MLX has no evaluation in flight (on any stream) and memory under its limit:
-// then an asynchronous evaluation of a small graph never waits inside MLX for others.
-bool mlx_idle();
+// Queues `hold_run(task)` (src/hold.rs) on the calling thread's default CPU stream.
+struct HoldTask;
+void hold_cpu_stream(rust::Box<HoldTask> task);
+// MLX's task groups in flight (on any stream), and whether its active memory is over its
+// limit: MLX's own conditions for waiting on its threads while it queues a graph.
+int32_t mlx_tasks_in_flight();
+bool mlx_memory_over_limit();
 
 std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s);
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);

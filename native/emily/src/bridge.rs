@@ -11,6 +11,11 @@ pub mod ffi {
         /// stream thread once the outputs are computed, with its error ("" if none).
         type EvalDone;
         fn eval_done(done: Box<EvalDone>, error: &str);
+
+        /// A hold on MLX's thread for a CPU stream (src/hold.rs): run on that thread, it
+        /// returns when the hold ends.
+        type HoldTask;
+        fn hold_run(task: &HoldTask);
     }
 
     unsafe extern "C++" {
@@ -92,7 +97,9 @@ pub mod ffi {
         ) -> Result<UniquePtr<ArrayVec>>;
         fn program_graph_size(p: &ProgramSpec, inputs: &ArrayVec) -> Result<usize>;
         fn inputs_signature(inputs: &ArrayVec) -> u64;
-        fn mlx_idle() -> bool;
+        fn hold_cpu_stream(task: Box<HoldTask>) -> Result<()>;
+        fn mlx_tasks_in_flight() -> i32;
+        fn mlx_memory_over_limit() -> bool;
         fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
 
@@ -117,6 +124,7 @@ pub fn array_vec<'a>(arrays: impl ExactSizeIterator<Item = &'a ffi::Array>) -> c
     v
 }
 
+use crate::hold::{hold_run, HoldTask};
 use crate::ops::program::{eval_done, EvalDone};
 
 fn quiesce_workers() {

@@ -13,6 +13,7 @@ pub mod bridge;
 pub mod deadline;
 pub mod dtype;
 pub mod error;
+pub mod hold;
 pub mod ops;
 pub mod queue;
 pub mod stream;

@@ -382,6 +382,12 @@ fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Op
     (small || fit.handover.is_some_and(|t| t <= budget)).then_some((fit, small))
 }
 
+/// Whether MLX has no evaluation in flight (on any stream) and memory within its limit:
+/// then an asynchronous evaluation of a small graph never waits inside MLX for others.
+fn mlx_idle() -> bool {
+    ffi::mlx_tasks_in_flight() == 0 && !ffi::mlx_memory_over_limit()
+}
+
 /// How long `program_eval_async` may keep its normal scheduler, building included: the
 /// VM's guideline for a NIF call (met to within the deadline thread's tick).
 const ASYNC_WAIT: Duration = Duration::from_millis(1);
@@ -413,8 +419,7 @@ const ASYNC_POLL: Duration = Duration::from_micros(50);
 /// waits for its own were measured short (`HANDOVER_BUDGET`). Work still queued on
 /// this thread's stream (a caller's that stopped waiting) delays only the evaluation,
 /// not the NIF's return. While the graph is queued, MLX's thread for the stream is held
-/// in a spin, so that it takes the graph in one go (`Gate` in cpp/program.cc; it lets go
-/// by itself before MLX's waits could wait on it).
+/// in a spin, so that it takes the graph in one go (src/hold.rs).
 #[rustler::nif]
 fn program_eval_async<'a>(
     env: Env<'a>,
@@ -435,7 +440,7 @@ fn program_eval_async<'a>(
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let signature = ffi::inputs_signature(&v);
-    let (fit, small) = match ffi::mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
+    let (fit, small) = match mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
         Some(found) => found,
         None => return Ok(crate::atoms::dirty().encode(env)),
     };
@@ -448,7 +453,11 @@ fn program_eval_async<'a>(
         _busy: Busy::enter(),
     });
     // `done` holds the call (and the evaluation after it) busy for the exit guard.
-    let out = ffi::program_eval_async(&program.spec.0, &v, done).map_err(|e| {
+    let queued = {
+        let _hold = crate::hold::Hold::cpu_stream();
+        ffi::program_eval_async(&program.spec.0, &v, done)
+    };
+    let out = queued.map_err(|e| {
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         crate::error::raise(&mlx_error(OP, e, &refs))
     })?;
