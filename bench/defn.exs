@@ -95,6 +95,15 @@ defmodule Bench.Defn.Models do
     h = layer_norm(x, ln2_g, ln2_b)
     x + Nx.dot(gelu(Nx.dot(h, w1)), w2)
   end
+
+  # A sequence classifier: token and position embeddings (take), the block, mean
+  # pooling and a linear head; the predicted class (argmax).
+  defn classifier(tokens, {emb, pos}, block_params, {wc, bc}) do
+    x = Nx.take(emb, tokens, axis: 0) + pos
+    x = block(x, block_params)
+    logits = Nx.dot(Nx.mean(x, axes: [0]), wc) + bc
+    Nx.argmax(logits, axis: 0)
+  end
 end
 
 defmodule Bench.Defn do
@@ -118,6 +127,7 @@ defmodule Bench.Defn do
     |> Nx.subtract(Nx.backend_copy(b, Nx.BinaryBackend))
     |> Nx.abs()
     |> Nx.reduce_max()
+    |> Nx.as_type(:f64)
     |> Nx.to_number()
   end
 
@@ -319,8 +329,15 @@ graphs =
 
     {h, key} = Bench.Defn.random(key, {seq, d}, 1.0)
 
-    {block, _key} =
+    {block, key} =
       Bench.Defn.params(key, [{d}, {d}, {d, 3 * d}, {d, d}, {d}, {d}, {d, ffn}, {ffn, d}], 0.05)
+
+    # The classifier's vocabulary and classes.
+    {vocab, classes} = {8 * seq, 4}
+    {embeddings, key} = Bench.Defn.params(key, [{vocab, d}, {seq, d}], 0.5)
+    {head, key} = Bench.Defn.params(key, [{d, classes}, {classes}], 0.5)
+    {tokens, _key} = Nx.Random.randint(key, 0, vocab, shape: {seq}, type: :s32)
+    tokens = Nx.backend_copy(tokens, Nx.BinaryBackend)
 
     [
       Bench.Defn.graph(
@@ -335,6 +352,14 @@ graphs =
         "#{label}transformer block seq #{seq}, d #{d}",
         &Models.block/2,
         [h, block],
+        div(reps, 4),
+        dir,
+        binary?
+      ),
+      Bench.Defn.graph(
+        "#{label}classifier (embeddings, block, head) seq #{seq}, d #{d}",
+        &Models.classifier/4,
+        [tokens, embeddings, block, head],
         div(reps, 4),
         dir,
         binary?

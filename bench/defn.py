@@ -103,6 +103,13 @@ def statement(t, op, args, shape):
         return f"t{t} = t{a}[{idx}]"
     if op == "clip":
         return f"t{t} = mx.clip(t{args[0]}, t{args[1]}, t{args[2]})"
+    if op == "take":
+        # Emily's take clamps the indices into the axis (cpp/index.cc).
+        a, i, axis = args
+        return f"t{t} = mx.take(t{a}, mx.clip(t{i}, 0, {shape(a)[axis] - 1}), axis={axis})"
+    if op == "argmax":
+        a, axis, keep = args
+        return f"t{t} = mx.argmax(t{a}, axis={axis}, keepdims={keep})"
     if op == "concatenate":
         return f"t{t} = mx.concatenate([{', '.join(f't{a}' for a in args[0])}], axis={args[1]})"
     raise NotImplementedError(f"no Python twin for instruction {op}")

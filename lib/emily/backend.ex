@@ -544,26 +544,14 @@ if Code.ensure_loaded?(Nx) do
     defp reduce_axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
     defp reduce_axes(_t, axes), do: axes
 
-    # Nx's tie_break: :high picks the last index among ties.
-    defp n_argmax(out, t, opts),
-      do:
-        arg_reduction(
-          if(opts[:tie_break] == :high, do: :argmax_last, else: :argmax),
-          out,
-          t,
-          opts
-        )
+    @arg_reduce Emily.Backend.Ops.arg_reduce()
 
-    defp n_argmin(out, t, opts),
-      do:
-        arg_reduction(
-          if(opts[:tie_break] == :high, do: :argmin_last, else: :argmin),
-          out,
-          t,
-          opts
-        )
+    defp n_argmax(out, t, opts), do: arg_reduction(:argmax, out, t, opts)
+    defp n_argmin(out, t, opts), do: arg_reduction(:argmin, out, t, opts)
 
-    defp arg_reduction(op, %T{type: type, shape: out_shape} = out, %T{shape: shape} = t, opts) do
+    defp arg_reduction(nx_op, %T{type: type, shape: out_shape} = out, %T{shape: shape} = t, opts) do
+      {first, last} = Map.fetch!(@arg_reduce, nx_op)
+      op = if opts[:tie_break] == :high, do: last, else: first
       s = stream([t], type)
       x = ref(t, s)
 
@@ -852,7 +840,7 @@ if Code.ensure_loaded?(Nx) do
     defp n_indexed_add(out, t, indices, updates, opts),
       do: scatter(:indexed_add, out, t, indices, updates, opts)
 
-    @scatters %{indexed_put: :scatter, indexed_add: :scatter_add}
+    @scatters Emily.Backend.Ops.scatter()
 
     defp scatter(op, %T{type: type} = out, t, indices, updates, opts) do
       s = stream([t, indices, updates], type)
@@ -1162,12 +1150,7 @@ if Code.ensure_loaded?(Nx) do
       {wrap(values, v, s), wrap(N.astype(s, indices, it), i, s)}
     end
 
-    @scans %{
-      Nx.Block.CumulativeSum => :cumsum,
-      Nx.Block.CumulativeProduct => :cumprod,
-      Nx.Block.CumulativeMin => :cummin,
-      Nx.Block.CumulativeMax => :cummax
-    }
+    @scans Emily.Backend.Ops.scan()
 
     defp n_block(%struct{axis: axis, reverse: reverse}, %T{type: type} = out, [t])
          when is_map_key(@scans, struct) do

@@ -19,19 +19,34 @@ if Code.ensure_loaded?(Nx) do
     (and the graph's captured tensors) as the program's inputs, returning its outputs
     evaluated (`Emily.Program.eval/3`: the call builds and evaluates the graph itself,
     with no hop to the stream's worker and back); with `compile: true` the program is
-    also fused with `mx::compile` and runs on the stream's worker. It lowers parameters,
-    constants, captured tensors, elementwise unary and binary ops (comparisons and
-    logical ops give Nx's u8), `as_type` (but not float or complex to integer),
-    `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `dot` (batched too),
-    `sum`/`product`/`reduce_max`/`reduce_min`/`all`/`any`, `select`, `clip`, static
-    `slice` and `concatenate`, and `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused
-    kernels, over the types MLX computes with (not f64 on a GPU). A graph with anything
-    else (`while`, `cond`, hooks, tokens, other blocks, other ops, other types,
-    vectorized tensors) runs whole on the evaluator path and emits
-    `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
-    (`{:op, op}`, `{:type, type}`, ...). What reads no input (constants, iotas and what
-    is computed from them alone, such as a causal mask) is computed once, when the
-    graph is lowered, and held by the compiled function as one more input of the
+    also fused with `mx::compile` and runs on the stream's worker. It lowers, over the
+    types MLX computes with (not f64 on a GPU):
+
+      * parameters, constants, captured tensors, `iota` and `eye`;
+      * elementwise unary and binary ops (comparisons and logical ops give Nx's u8),
+        `select`, `clip`, and `as_type` (float to integer as Nx converts: truncation,
+        NaN to 0, infinities to the type's limits; not from complex);
+      * `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `pad`, `slice` and
+        `put_slice` (start indices numbers or tensors), `concatenate`, `stack`;
+      * `dot` (batched too), `conv` (real types), `sum`, `product`, `reduce_max`,
+        `reduce_min`, `all`, `any`, `argmax`, `argmin`, `window_sum`,
+        `window_product`, `window_max`, `window_min`, `sort`, `argsort`;
+      * `gather`, `indexed_add`, `indexed_put`, and the `take`, `take_along_axis`,
+        cumulative and `logical_not` blocks, each as the MLX op `Emily.Backend` runs
+        (indices clamped on reads, dropped on writes; with `:debug_bounds_check` these
+        fall back, so that the backend checks them);
+      * `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused kernels, and every
+        other block (`top_k`, `all_close`, a library's own) as its default
+        implementation, lowered in turn.
+
+    A graph with anything else (`while`, `cond`, hooks, tokens, `reduce` and
+    `window_reduce` with a function, the window scatters, FFTs, other complex and
+    linear algebra ops, other types, vectorized tensors) runs whole on the evaluator
+    path and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
+    `%{reason: reason}` (`{:op, op}`, `{:type, type}`, ...).
+
+    What reads no input (constants, iotas and what is computed from them alone, such
+    as a causal mask) is computed once, when the graph is lowered, and held by the compiled function as one more input of the
     program, so that runs do not recompute it: each value up to 1 MiB; a larger one is
     computed on every run from the smaller values it is made from. With
     `:debug_detect_nan_inf` (`Emily.Debug`), the program also counts the non-finite

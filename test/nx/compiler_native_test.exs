@@ -41,10 +41,62 @@ if Code.ensure_loaded?(Nx) do
       {Nx.select(mask, x, -1.0e9) |> softmax(), Nx.iota({2, 3}, type: :f16), Nx.iota({2, 3})}
     end
 
-    defn(truncate(x), do: Nx.as_type(x * 3, :s32))
+    defn truncations(x) do
+      y = x * 3
+      a = Nx.abs(y)
+
+      {Nx.as_type(y, :s32), Nx.as_type(y, :s64), Nx.as_type(y, :s8), Nx.as_type(a, :u8),
+       Nx.as_type(a, :u64), Nx.as_type(Nx.as_type(y, :bf16), :s16)}
+    end
 
     # `x - 1` twice as two Nx nodes, and `i` cast to f32 for three ops.
     defn(duplicates(x, i), do: {(x - 1) * (x - 1) + i, (x + i) * i})
+
+    defn indexing(x, idx, pos) do
+      {Nx.take(x, idx, axis: 0), Nx.take_along_axis(x, Nx.argsort(x, axis: 1), axis: 1),
+       Nx.gather(x, Nx.stack([idx, Nx.remainder(idx + 1, 4)], axis: 1)),
+       Nx.slice(x, [pos, 0], [2, 3]), Nx.slice(x, [pos, 2], [1, 2]),
+       Nx.put_slice(x, [pos, 1], Nx.broadcast(-1.0, {1, 2})),
+       Nx.put_slice(x, [2, 3], Nx.broadcast(-2.0, {2, 2})),
+       Nx.indexed_add(x, Nx.stack([idx, idx], axis: 1), Nx.as_type(idx, :f32) + 0.5),
+       Nx.indexed_put(x, Nx.stack([idx, idx + 1], axis: 1), Nx.as_type(idx, :f32) - 7)}
+    end
+
+    defn orderings(x, i) do
+      {Nx.argmax(x), Nx.argmin(x, axis: 1), Nx.argmax(i, axis: 0, tie_break: :high),
+       Nx.argmin(i, axis: 1, keep_axis: true), Nx.argmax(i, tie_break: :high),
+       Nx.sort(x, axis: 1, direction: :desc), Nx.sort(i, axis: 0),
+       Nx.argsort(i, axis: 1, direction: :desc), Nx.cumulative_sum(x, axis: 1),
+       Nx.cumulative_max(x, axis: 0, reverse: true), Nx.cumulative_product(i, axis: 1),
+       Nx.cumulative_min(i, axis: 0), Nx.logical_not(x > 0)}
+    end
+
+    defn windows(x, k, g) do
+      {Nx.window_sum(x, {1, 1, 2, 2}, padding: :same),
+       Nx.window_max(x, {1, 1, 2, 2}, strides: [1, 1, 2, 2]),
+       Nx.window_min(x, {1, 2, 2, 1}, padding: [{0, 0}, {0, 0}, {1, 0}, {0, 1}]),
+       Nx.window_product(x, {1, 1, 1, 2}, window_dilations: [1, 1, 2, 1]),
+       Nx.conv(x, k, padding: :same), Nx.conv(x, g, strides: 2, feature_group_size: 2),
+       Nx.pad(x, 0.5, [{0, 0, 0}, {0, 0, 0}, {1, -1, 1}, {2, 0, 0}]), Nx.eye(3) + x[0][0][0][0],
+       Nx.eye({2, 3, 3}, type: :s32)}
+    end
+
+    defmodule Doubled do
+      @moduledoc false
+      # A block Emily has no kernel for: it runs its default.
+      defstruct [:limit]
+    end
+
+    defn blocks(x, y) do
+      {values, indices} = Nx.top_k(x, k: 2)
+
+      doubled =
+        Nx.block(%Doubled{limit: 0.5}, [x, y], x, fn %Doubled{limit: l}, x, y ->
+          Nx.clip(x, -l, l) * 2 + y
+        end)
+
+      {values, indices, Nx.all_close(x, y), Nx.all_close(x, x + 1.0e-9), doubled}
+    end
 
     # Runs `fun` on every path and asserts they agree with Nx.BinaryBackend, and that
     # the native runs did not fall back.
@@ -114,6 +166,33 @@ if Code.ensure_loaded?(Nx) do
         ],
         tol: O.tol({:f, 16})
       )
+    end
+
+    test "indexing: take, take_along_axis, gather, dynamic and static slices, put_slice, indexed ops" do
+      x = O.tensor({4, 5}, {:f, 32})
+      check_paths(&indexing/3, [x, Nx.tensor([2, 0, 3], type: :s32), Nx.tensor(1)])
+      # Start indices past the end are clamped, as Nx clamps them.
+      check_paths(&indexing/3, [x, Nx.tensor([1, 1, 0], type: :s64), Nx.tensor(9)])
+    end
+
+    test "argmax, argmin, sort, argsort, cumulative ops and logical_not" do
+      i = Nx.tensor([[1, 3, 3, 0], [2, 2, 0, 1], [3, 0, 3, 1]], type: :s32)
+      check_paths(&orderings/2, [O.tensor({3, 4}, {:f, 32}), i])
+      check_paths(&orderings/2, [O.tensor({3, 4}, {:f, 16}), Nx.as_type(i, :u8)])
+    end
+
+    test "window reductions, conv, pad and eye" do
+      x = O.tensor({2, 2, 4, 5}, {:f, 32})
+
+      check_paths(&windows/3, [
+        x,
+        O.tensor({2, 2, 3, 3}, {:f, 32}),
+        O.tensor({2, 1, 2, 2}, {:f, 32})
+      ])
+    end
+
+    test "blocks without a kernel lower their default: top_k, all_close, a library's block" do
+      check_paths(&blocks/2, [O.tensor({3, 5}, {:f, 32}), O.tensor({3, 5}, {:f, 32})])
     end
 
     test "each distinct instruction is emitted once" do
@@ -270,11 +349,11 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_flat_list(out) == [5.0, 47.0]
     end
 
-    test "float to integer as_type falls back with its reason" do
-      x = Nx.tensor([0.4, -1.5, 2.0])
-      {out, fallbacks} = with_fallbacks(fn -> ejit(&truncate/1, native: true).(x) end)
-      assert [%{reason: {:as_type, {:f, 32}, {:s, 32}}}] = fallbacks
-      assert Nx.to_flat_list(out) == [1, -4, 6]
+    test "float to integer as_type: truncation, NaN to 0, infinities to the type's limits" do
+      x = Nx.tensor([0.4, -1.5, 2.0, 30.7, :nan, :infinity, :neg_infinity])
+      check_paths(&truncations/1, [x])
+      [s32 | _] = Tuple.to_list(hd(native_results(&truncations/1, [x])))
+      assert Nx.to_flat_list(s32) == [1, -4, 6, 92, 0, 2_147_483_647, -2_147_483_648]
     end
 
     test "the evaluator stays the default" do

@@ -38,6 +38,7 @@ if Code.ensure_loaded?(Nx) do
 
         case fallbacks do
           [%{reason: :debug_detect_nan_inf}] -> assert Emily.Debug.detect_nan_inf?()
+          [%{reason: {:debug_bounds_check, _}}] -> assert Emily.Debug.bounds_check?()
           _ -> assert fallbacks == [], "native path fell back: #{inspect(fallbacks)}"
         end
 

@@ -59,6 +59,20 @@ defmodule Emily.Backend.Ops do
     less_equal: :less_equal
   }
 
+  # Nx's tie_break: :low takes the first of equal values, :high the last.
+  @arg_reduce %{argmax: {:argmax, :argmax_last}, argmin: {:argmin, :argmin_last}}
+
+  @scatter %{indexed_put: :scatter, indexed_add: :scatter_add}
+
+  @scan %{
+    Nx.Block.CumulativeSum => :cumsum,
+    Nx.Block.CumulativeProduct => :cumprod,
+    Nx.Block.CumulativeMin => :cummin,
+    Nx.Block.CumulativeMax => :cummax
+  }
+
+  @take %{Nx.Block.Take => :take, Nx.Block.TakeAlongAxis => :take_along_axis}
+
   @doc "Nx unary op => Native op."
   def unary, do: @unary
 
@@ -67,4 +81,16 @@ defmodule Emily.Backend.Ops do
 
   @doc "Nx comparisons => Native op (MLX bool results; Nx wants u8)."
   def compare, do: @compare
+
+  @doc "argmax/argmin => `{Native op for tie_break: :low, for tie_break: :high}`."
+  def arg_reduce, do: @arg_reduce
+
+  @doc "Nx's indexed ops => Native scatter."
+  def scatter, do: @scatter
+
+  @doc "Nx's cumulative blocks (struct module) => Native scan."
+  def scan, do: @scan
+
+  @doc "Nx's take blocks (struct module) => Native op."
+  def take, do: @take
 end

@@ -29,6 +29,13 @@ if Code.ensure_loaded?(Nx) do
 
     @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
+    @arg_reduce Emily.Backend.Ops.arg_reduce()
+    @scatter Emily.Backend.Ops.scatter()
+    @scan Emily.Backend.Ops.scan()
+    @take Emily.Backend.Ops.take()
+
+    @window [:window_sum, :window_product, :window_max, :window_min]
+
     @fast_blocks Emily.Fast.blocks()
 
     # Integers beyond this do not survive the op table's `float` argument exactly.
@@ -127,7 +134,8 @@ if Code.ensure_loaded?(Nx) do
         memo: extra_slots,
         emitted: %{},
         device: device,
-        checks: []
+        checks: [],
+        defaults: %{}
       }
 
       {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)
@@ -355,18 +363,29 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :astype, [y, type])
     end
 
-    defp lower_op(:as_type, [%T{type: from} = x], %T{type: to}, st) do
-      case {from, to} do
-        {{fk, _}, {tk, _}} when fk in [:f, :bf] and tk in [:u, :s] ->
-          throw({:unsupported, {:as_type, from, to}})
-
-        {{:c, _}, _} ->
-          throw({:unsupported, {:as_type, from, to}})
-
-        _ ->
-          operand(x, to, st)
-      end
+    # Nx's float to integer cast, as Emily.Backend's: truncation, NaN to 0, infinities to
+    # the type's limits.
+    defp lower_op(:as_type, [%T{type: {fk, _} = from} = x], %T{type: {tk, _} = to}, st)
+         when fk in [:f, :bf] and tk in [:u, :s] do
+      {x, st} = lower_node(x, st)
+      {y, st} = emit(st, :astype, [x, to])
+      {nan, st} = emit(st, :isnan, [x])
+      {zero, st} = emit(st, :full, [{}, 0, to])
+      {y, st} = emit(st, :where, [nan, zero, y])
+      {inf, st} = emit(st, :full, [{}, :infinity, from])
+      {above, st} = emit(st, :equal, [x, inf])
+      {max, st} = int_limit(st, :max, to)
+      {y, st} = emit(st, :where, [above, max, y])
+      {neg_inf, st} = emit(st, :negative, [inf])
+      {below, st} = emit(st, :equal, [x, neg_inf])
+      {min, st} = int_limit(st, :min, to)
+      emit(st, :where, [below, min, y])
     end
+
+    defp lower_op(:as_type, [%T{type: {:c, _} = from}], %T{type: to}, _st),
+      do: throw({:unsupported, {:as_type, from, to}})
+
+    defp lower_op(:as_type, [x], %T{type: to}, st), do: operand(x, to, st)
 
     defp lower_op(:reshape, [x], %T{shape: shape}, st) do
       {x, st} = lower_node(x, st)
@@ -442,16 +461,18 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :clip, [x, lo, hi])
     end
 
+    # Tensor start indices stay on the device, where the op clamps them as Nx does.
     defp lower_op(:slice, [x, starts, lengths, strides], _t, st) do
-      if not Enum.all?(starts, &is_integer/1), do: throw({:unsupported, :dynamic_slice})
       {slot, st} = lower_node(x, st)
 
-      starts =
-        [Tuple.to_list(x.shape), starts, lengths]
-        |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
-
-      stops = Enum.zip_with(starts, lengths, &(&1 + &2))
-      emit(st, :slice, [slot, starts, stops, strides])
+      if Enum.all?(starts, &is_integer/1) do
+        starts = clamp_starts(x.shape, starts, lengths)
+        stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+        emit(st, :slice, [slot, starts, stops, strides])
+      else
+        {starts, st} = starts_vector(starts, st)
+        emit(st, :slice_dynamic, [slot, starts, all_axes(x.shape), lengths, strides])
+      end
     end
 
     defp lower_op(:concatenate, [tensors, axis], %T{type: type}, st) do
@@ -459,13 +480,150 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :concatenate, [slots, axis])
     end
 
+    defp lower_op(:stack, [tensors, axis], %T{type: type}, st) do
+      {slots, st} = Enum.map_reduce(tensors, st, &operand(&1, type, &2))
+      emit(st, :stack, [slots, axis])
+    end
+
+    defp lower_op(:eye, [], %T{type: type, shape: shape}, st) do
+      rank = tuple_size(shape)
+      {x, st} = emit(st, :eye, [elem(shape, rank - 2), elem(shape, rank - 1), 0, type])
+      if rank > 2, do: emit(st, :broadcast_to, [x, shape]), else: {x, st}
+    end
+
+    defp lower_op(:pad, [x, value, config], %T{type: type}, st) do
+      {x, st} = operand(x, type, st)
+      {v, st} = operand(value, type, st)
+      [lo, hi, interior] = for i <- 0..2, do: Enum.map(config, &elem(&1, i))
+      emit(st, :pad, [x, v, lo, hi, interior])
+    end
+
+    defp lower_op(op, [x, opts], %T{type: type, shape: shape}, st)
+         when is_map_key(@arg_reduce, op) do
+      {slot, st} = lower_node(x, st)
+
+      # Over all axes: over the flattened tensor, then shaped as Nx's result.
+      {slot, axis, st} =
+        case opts[:axis] do
+          nil ->
+            {flat, st} = emit(st, :reshape, [slot, {Nx.size(x.shape)}])
+            {flat, 0, st}
+
+          axis ->
+            {slot, axis, st}
+        end
+
+      {first, last} = Map.fetch!(@arg_reduce, op)
+      reduce = if opts[:tie_break] == :high, do: last, else: first
+      {y, st} = emit(st, reduce, [slot, axis, opts[:keep_axis] || false])
+      {y, st} = emit(st, :astype, [y, type])
+      if opts[:axis] == nil and shape != {}, do: emit(st, :reshape, [y, shape]), else: {y, st}
+    end
+
+    defp lower_op(op, [x, window, opts], %T{type: type}, st) when op in @window do
+      {x, st} = operand(x, type, st)
+      {lo, hi} = Enum.unzip(opts[:padding])
+      emit(st, op, [x, Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]])
+    end
+
+    # (Emily.Backend computes a complex convolution as four real ones: not lowered.)
+    defp lower_op(:conv, [x, kernel, opts], %T{type: type}, st) when elem(type, 0) != :c do
+      {x, st} = operand(x, type, st)
+      {w, st} = operand(kernel, type, st)
+      {lo, hi} = Enum.unzip(opts[:padding])
+
+      emit(st, :conv, [
+        x,
+        w,
+        opts[:strides],
+        lo,
+        hi,
+        opts[:input_dilation],
+        opts[:kernel_dilation],
+        opts[:feature_group_size],
+        opts[:batch_group_size],
+        opts[:input_permutation] || [],
+        opts[:kernel_permutation] || [],
+        opts[:output_permutation] || []
+      ])
+    end
+
+    defp lower_op(op, [x, opts], %T{type: type}, st) when op in [:sort, :argsort] do
+      {slot, st} = lower_node(x, st)
+      {y, st} = emit(st, op, [slot, opts[:axis], opts[:direction] == :desc])
+      if op == :argsort, do: emit(st, :astype, [y, type]), else: {y, st}
+    end
+
+    defp lower_op(:put_slice, [x, starts, update], %T{type: type, shape: shape}, st) do
+      {slot, st} = operand(x, type, st)
+
+      if Nx.size(update.shape) == 0 do
+        {slot, st}
+      else
+        {u, st} = operand(update, type, st)
+
+        if Enum.all?(starts, &is_integer/1) do
+          lengths = Tuple.to_list(update.shape)
+          starts = clamp_starts(shape, starts, lengths)
+          stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+          emit(st, :slice_update, [slot, u, starts, stops, List.duplicate(1, tuple_size(shape))])
+        else
+          {starts, st} = starts_vector(starts, st)
+          emit(st, :slice_update_dynamic, [slot, u, starts, all_axes(shape)])
+        end
+      end
+    end
+
+    # Indices run as Emily.Backend runs them without :debug_bounds_check (reads clamp,
+    # out-of-range writes drop); with it, the backend checks them on the host between
+    # ops, which a program cannot.
+    defp lower_op(:gather, [x, indices, opts], _t, st) do
+      unless_bounds_checked(:gather)
+      {x, st} = lower_node(x, st)
+      {i, st} = lower_node(indices, st)
+      emit(st, :gather, [x, i, opts[:axes]])
+    end
+
+    defp lower_op(op, [x, indices, updates, opts], %T{type: type}, st)
+         when is_map_key(@scatter, op) do
+      unless_bounds_checked(op)
+      {x, st} = operand(x, type, st)
+      {i, st} = lower_node(indices, st)
+      {u, st} = operand(updates, type, st)
+      emit(st, Map.fetch!(@scatter, op), [x, i, u, opts[:axes]])
+    end
+
+    defp lower_op(:block, [%struct{axis: axis}, [x, indices], _default, _fun], _t, st)
+         when is_map_key(@take, struct) do
+      op = Map.fetch!(@take, struct)
+      unless_bounds_checked(op)
+      {x, st} = lower_node(x, st)
+      {i, st} = lower_node(indices, st)
+      emit(st, op, [x, i, axis])
+    end
+
+    # (MLX keeps 8- and 16-bit integer types in its scans; Nx's type is the node's.)
+    defp lower_op(:block, [%struct{axis: axis, reverse: reverse}, [x], _default, _fun], t, st)
+         when is_map_key(@scan, struct) do
+      {x, st} = operand(x, t.type, st)
+      {y, st} = emit(st, Map.fetch!(@scan, struct), [x, axis, reverse, true])
+      emit(st, :astype, [y, t.type])
+    end
+
+    defp lower_op(:block, [%Nx.Block.LogicalNot{}, [x], _default, _fun], t, st) do
+      {x, st} = operand(x, :bool, st)
+      {y, st} = emit(st, :logical_not, [x])
+      emit(st, :astype, [y, t.type])
+    end
+
     # Emily.Fast's blocks lower to their fused kernel (Emily.Fast.native_call/3 names it
-    # and the casts of its arguments); other blocks are not lowered.
+    # and the casts of its arguments), or, where it names none, to their default.
     defp lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
          when struct in @fast_blocks do
       case Emily.Fast.native_call(block, t, in_args) do
         nil ->
-          throw({:unsupported, {:block, struct}})
+          {default, st} = block_default(t, st)
+          lower_node(default, st)
 
         {op, spec} ->
           inputs = List.to_tuple(in_args)
@@ -481,7 +639,20 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # A tuple's element: the tuple comes from `while`, `cond`, a block or the like.
+    # Any other block: its default implementation (Nx's own, built of other ops), as
+    # Emily.Backend runs the blocks it has no kernel for.
+    defp lower_op(:block, [_block, _in_args, %T{}, _fun], t, st) do
+      {default, st} = block_default(t, st)
+      lower_node(default, st)
+    end
+
+    # An element of a block's tuple result: that element of its default.
+    defp lower_op(:elem, [%T{data: %Expr{op: :block}} = block, i], _t, st) do
+      {default, st} = block_default(block, st)
+      lower_node(elem(default, i), st)
+    end
+
+    # Otherwise a tuple's element comes from `while`, `cond` or the like.
     defp lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
       do: throw({:unsupported, {:op, op}})
 
@@ -503,8 +674,83 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    defp axes(%T{shape: shape}, nil), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
+    defp axes(%T{shape: shape}, nil), do: all_axes(shape)
     defp axes(_x, axes), do: axes
+
+    defp all_axes(shape), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
+
+    defp clamp_starts(shape, starts, lengths) do
+      [Tuple.to_list(shape), starts, lengths]
+      |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
+    end
+
+    # An integer type's limit as a scalar; the 64-bit ones, which a double does not hold
+    # exactly, from bit operations (computed once, when constants are folded).
+    defp int_limit(st, :min, {:u, _} = type), do: emit(st, :full, [{}, 0, type])
+
+    defp int_limit(st, :max, {:u, 64} = type) do
+      {zero, st} = int_limit(st, :min, type)
+      emit(st, :bitwise_invert, [zero])
+    end
+
+    defp int_limit(st, :max, {:u, bits} = type), do: emit(st, :full, [{}, 2 ** bits - 1, type])
+
+    defp int_limit(st, :min, {:s, 64} = type) do
+      {one, st} = emit(st, :full, [{}, 1, type])
+      {shift, st} = emit(st, :full, [{}, 63, type])
+      emit(st, :left_shift, [one, shift])
+    end
+
+    defp int_limit(st, :max, {:s, 64} = type) do
+      {min, st} = int_limit(st, :min, type)
+      emit(st, :bitwise_invert, [min])
+    end
+
+    defp int_limit(st, :min, {:s, bits} = type),
+      do: emit(st, :full, [{}, -(2 ** (bits - 1)), type])
+
+    defp int_limit(st, :max, {:s, bits} = type),
+      do: emit(st, :full, [{}, 2 ** (bits - 1) - 1, type])
+
+    # One s64 vector of start indices, integers and scalar tensors alike.
+    defp starts_vector(starts, st) do
+      {parts, st} =
+        Enum.map_reduce(starts, st, fn
+          i, st when is_integer(i) ->
+            emit(st, :full, [{1}, i, {:s, 64}])
+
+          %T{} = t, st ->
+            {slot, st} = operand(t, {:s, 64}, st)
+            emit(st, :reshape, [slot, {1}])
+        end)
+
+      emit(st, :concatenate, [parts, 0])
+    end
+
+    # The default of the block node `block`, traced once (per lowering) from the block's
+    # function over fresh parameters, whose slots are those of the block's arguments: the
+    # expression Nx keeps in the node has parameters that cannot be told apart from the
+    # function's own.
+    defp block_default(%T{data: %Expr{id: id, args: [block, in_args, _, fun]}}, st) do
+      case st.defaults do
+        %{^id => default} ->
+          {default, st}
+
+        _ ->
+          {args, opts} = Enum.split_while(in_args, &(not is_list(&1)))
+          {slots, st} = Enum.map_reduce(args, st, &lower_node/2)
+          params = Enum.with_index(args, &Expr.parameter/2)
+          default = apply(fun, [block | params ++ opts])
+          memo = Enum.zip(params, slots) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
+
+          {default,
+           %{st | memo: Map.merge(st.memo, memo), defaults: Map.put(st.defaults, id, default)}}
+      end
+    end
+
+    defp unless_bounds_checked(op) do
+      if Emily.Debug.bounds_check?(), do: throw({:unsupported, {:debug_bounds_check, op}})
+    end
 
     # The slot of `x` cast to `type` (a plain MLX cast, as Emily.Backend's operands).
     defp operand(%T{type: from} = x, to, st) do
