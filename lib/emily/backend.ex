@@ -877,16 +877,7 @@ if Code.ensure_loaded?(Nx) do
       {lo, hi} = Enum.unzip(opts[:padding])
       zeros = List.duplicate(0, rank)
       padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
-
-      # (An integer tensor with a float init value compares in floating point.)
-      pad_type =
-        case {t.type, init.type} do
-          {{k, _}, {f, _}} when k in [:u, :s] and f in [:f, :bf] ->
-            Nx.Type.merge_number(t.type, 0.0)
-
-          _ ->
-            t.type
-        end
+      pad_type = window_scatter_pad_type(t.type, init.type)
 
       x =
         if padded?,
@@ -899,6 +890,15 @@ if Code.ensure_loaded?(Nx) do
       y = if padded?, do: N.slice(s, y, lo, stops, List.duplicate(1, rank)), else: y
       wrap(y, out, s)
     end
+
+    @doc false
+    # The type a window scatter pads its tensor in (with the init value, as Nx pads it;
+    # Emily.Compiler's native path pads the same way): an integer tensor with a float
+    # init value compares in floating point.
+    def window_scatter_pad_type({k, _} = type, {f, _}) when k in [:u, :s] and f in [:f, :bf],
+      do: Nx.Type.merge_number(type, 0.0)
+
+    def window_scatter_pad_type(type, _init_type), do: type
 
     # MLX convolves real types only; a complex convolution is four real ones (it is
     # bilinear, and Nx's does not conjugate the kernel).

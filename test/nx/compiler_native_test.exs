@@ -81,6 +81,18 @@ if Code.ensure_loaded?(Nx) do
        Nx.eye({2, 3, 3}, type: :s32)}
     end
 
+    # A small convolutional classifier's loss: its gradient takes the window scatters
+    # (max pooling), indexed_add (the embedding) and transposed convolutions.
+    defn cnn_loss({kernel, emb, w}, x, tokens) do
+      h = x |> Nx.conv(kernel, padding: :same) |> Nx.tanh()
+      h = Nx.window_max(h, {1, 1, 2, 2}, strides: [1, 1, 2, 2], padding: :same)
+      h = Nx.window_min(h, {1, 1, 1, 2}, padding: :valid)
+      logits = Nx.dot(Nx.mean(h, axes: [2, 3]) + Nx.take(emb, tokens, axis: 0), w)
+      Nx.sum(softmax(logits) ** 2)
+    end
+
+    defn(cnn_grad(params, x, tokens), do: grad(params, &cnn_loss(&1, x, tokens)))
+
     defmodule Doubled do
       @moduledoc false
       # A block Emily has no kernel for: it runs its default.
@@ -189,6 +201,14 @@ if Code.ensure_loaded?(Nx) do
         O.tensor({2, 2, 3, 3}, {:f, 32}),
         O.tensor({2, 1, 2, 2}, {:f, 32})
       ])
+    end
+
+    test "the gradient of a convolutional classifier (window scatters, indexed_add)" do
+      params =
+        {O.tensor({3, 2, 3, 3}, {:f, 32}), O.tensor({4, 3}, {:f, 32}), O.tensor({3, 2}, {:f, 32})}
+
+      args = [params, O.tensor({2, 2, 5, 5}, {:f, 32}), Nx.tensor([3, 1], type: :s32)]
+      check_paths(&cnn_grad/3, args, tol: {1.0e-4, 1.0e-5})
     end
 
     test "blocks without a kernel lower their default: top_k, all_close, a library's block" do

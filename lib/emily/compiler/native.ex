@@ -526,6 +526,39 @@ if Code.ensure_loaded?(Nx) do
       emit(st, op, [x, Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]])
     end
 
+    # As Emily.Backend's: the tensor padded as Nx pads it (a padded place can win a
+    # window, its update then dropped; the op never selects its own padding), the
+    # result cropped back.
+    defp lower_op(op, [x, source, init, window, opts], %T{type: type}, st)
+         when op in [:window_scatter_max, :window_scatter_min] do
+      rank = tuple_size(window)
+      {lo, hi} = Enum.unzip(opts[:padding])
+      zeros = List.duplicate(0, rank)
+      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
+
+      {slot, st} =
+        if padded? do
+          pad_type = Emily.Backend.window_scatter_pad_type(x.type, init.type)
+          {slot, st} = operand(x, pad_type, st)
+          {value, st} = operand(init, pad_type, st)
+          emit(st, :pad, [slot, value, lo, hi, zeros])
+        else
+          lower_node(x, st)
+        end
+
+      {source, st} = operand(source, type, st)
+      {init, st} = operand(init, type, st)
+      args = [slot, source, init, Tuple.to_list(window), opts[:strides], zeros, zeros]
+      {y, st} = emit(st, op, args)
+
+      if padded? do
+        stops = Enum.zip_with(lo, Tuple.to_list(x.shape), &(&1 + &2))
+        emit(st, :slice, [y, lo, stops, List.duplicate(1, rank)])
+      else
+        {y, st}
+      end
+    end
+
     # (Emily.Backend computes a complex convolution as four real ones: not lowered.)
     defp lower_op(:conv, [x, kernel, opts], %T{type: type}, st) when elem(type, 0) != :c do
       {x, st} = operand(x, type, st)
