@@ -710,10 +710,8 @@ if Code.ensure_loaded?(Nx) do
     # f64 (Complex.erf_inv) and rounded once. Where the stream computes f64 (the CPU),
     # Emily evaluates the same formula the same way, so both agree to the last bit, on
     # f64 too (whose MLX erfinv has f32 accuracy). A GPU runs MLX's erfinv in f32.
-    @erf_inv_small [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06] ++
-                     [0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941]
-    @erf_inv_large [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844] ++
-                     [0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
+    @erf_inv_small elem(Emily.Backend.Ops.erf_inv_coefficients(), 0)
+    @erf_inv_large elem(Emily.Backend.Ops.erf_inv_coefficients(), 1)
 
     defp n_erf_inv(%T{type: type} = out, %T{} = t) do
       s = stream([t], type)

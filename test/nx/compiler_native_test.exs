@@ -81,6 +81,8 @@ if Code.ensure_loaded?(Nx) do
        Nx.eye({2, 3, 3}, type: :s32)}
     end
 
+    defn(inverses(x, i), do: {Nx.erf_inv(x), Nx.bitcast(i, :f32), Nx.bitcast(x, :u32)})
+
     # A small convolutional classifier's loss: its gradient takes the window scatters
     # (max pooling), indexed_add (the embedding) and transposed convolutions.
     defn cnn_loss({kernel, emb, w}, x, tokens) do
@@ -201,6 +203,11 @@ if Code.ensure_loaded?(Nx) do
         O.tensor({2, 2, 3, 3}, {:f, 32}),
         O.tensor({2, 1, 2, 2}, {:f, 32})
       ])
+    end
+
+    test "erf_inv (Nx's formula on the CPU) and bitcast" do
+      x = Nx.tensor([-1.0, -0.999, -0.5, 0.0, 0.1, 0.7, 0.9999, 1.0])
+      check_paths(&inverses/2, [x, Nx.tensor([0, 1_065_353_216, -1_082_130_432], type: :s32)])
     end
 
     test "the gradient of a convolutional classifier (window scatters, indexed_add)" do

@@ -36,6 +36,8 @@ if Code.ensure_loaded?(Nx) do
 
     @window [:window_sum, :window_product, :window_max, :window_min]
 
+    @erf_inv Emily.Backend.Ops.erf_inv_coefficients()
+
     @fast_blocks Emily.Fast.blocks()
 
     # Integers beyond this do not survive the op table's `float` argument exactly.
@@ -320,6 +322,49 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp lower_op(:abs, [%T{type: {:u, _}} = x], _t, st), do: lower_node(x, st)
+
+    defp lower_op(:bitcast, [x], %T{type: type}, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :view, [x, type])
+    end
+
+    # As Emily.Backend's: on the CPU, Nx's own formula in f64, rounded once (equal to
+    # Nx.BinaryBackend's to the last bit); on a GPU, MLX's erfinv.
+    defp lower_op(:erf_inv, [x], %T{type: type}, %{device: :cpu} = st) do
+      f64 = {:f, 64}
+      {small, large} = @erf_inv
+      {z, st} = operand(x, f64, st)
+      {one, st} = emit(st, :full, [{}, 1, f64])
+      {a, st} = emit(st, :subtract, [one, z])
+      {b, st} = emit(st, :add, [one, z])
+      {ab, st} = emit(st, :multiply, [a, b])
+      {log, st} = emit(st, :log, [ab])
+      {w, st} = emit(st, :negative, [log])
+      {c, st} = emit(st, :full, [{}, 2.5, f64])
+      {w_small, st} = emit(st, :subtract, [w, c])
+      {small, st} = horner(small, w_small, st)
+      {sqrt_w, st} = emit(st, :sqrt, [w])
+      {c, st} = emit(st, :full, [{}, 3, f64])
+      {w_large, st} = emit(st, :subtract, [sqrt_w, c])
+      {large, st} = horner(large, w_large, st)
+      {c, st} = emit(st, :full, [{}, 5, f64])
+      {below, st} = emit(st, :less, [w, c])
+      {poly, st} = emit(st, :where, [below, small, large])
+      {y, st} = emit(st, :multiply, [poly, z])
+      {edge, st} = emit(st, :equal, [z, one])
+      {inf, st} = emit(st, :full, [{}, :infinity, f64])
+      {y, st} = emit(st, :where, [edge, inf, y])
+      {minus_one, st} = emit(st, :full, [{}, -1, f64])
+      {edge, st} = emit(st, :equal, [z, minus_one])
+      {neg_inf, st} = emit(st, :full, [{}, :neg_infinity, f64])
+      {y, st} = emit(st, :where, [edge, neg_inf, y])
+      emit(st, :astype, [y, type])
+    end
+
+    defp lower_op(:erf_inv, [x], %T{type: type}, st) do
+      {x, st} = operand(x, type, st)
+      emit(st, :erfinv, [x])
+    end
 
     defp lower_op(:abs, [x], %T{type: type}, st) do
       {x, st} = if match?({:c, _}, x.type), do: lower_node(x, st), else: operand(x, type, st)
@@ -715,6 +760,17 @@ if Code.ensure_loaded?(Nx) do
     defp clamp_starts(shape, starts, lengths) do
       [Tuple.to_list(shape), starts, lengths]
       |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
+    end
+
+    # sum(coefficient * x^power), highest power first, in f64.
+    defp horner([first | rest], x, st) do
+      {acc, st} = emit(st, :full, [{}, first, {:f, 64}])
+
+      Enum.reduce(rest, {acc, st}, fn coefficient, {acc, st} ->
+        {product, st} = emit(st, :multiply, [acc, x])
+        {c, st} = emit(st, :full, [{}, coefficient, {:f, 64}])
+        emit(st, :add, [product, c])
+      end)
     end
 
     # An integer type's limit as a scalar; the 64-bit ones, which a double does not hold
