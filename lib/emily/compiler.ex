@@ -23,27 +23,33 @@ if Code.ensure_loaded?(Nx) do
     types MLX computes with (not f64 on a GPU):
 
       * parameters, constants, captured tensors, `iota` and `eye`;
-      * elementwise unary and binary ops (comparisons and logical ops give Nx's u8),
-        `select`, `clip`, and `as_type` (float to integer as Nx converts: truncation,
-        NaN to 0, infinities to the type's limits; not from complex);
+      * elementwise unary and binary ops (comparisons and logical ops give Nx's u8;
+        `erf_inv` as `Emily.Backend` computes it), `select`, `clip`, `bitcast`, and
+        `as_type` (float to integer as Nx converts: truncation, NaN to 0, infinities
+        to the type's limits; not from complex);
       * `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `pad`, `slice` and
         `put_slice` (start indices numbers or tensors), `concatenate`, `stack`;
       * `dot` (batched too), `conv` (real types), `sum`, `product`, `reduce_max`,
         `reduce_min`, `all`, `any`, `argmax`, `argmin`, `window_sum`,
-        `window_product`, `window_max`, `window_min`, `sort`, `argsort`;
+        `window_product`, `window_max`, `window_min` and the window scatters (their
+        gradients), `sort`, `argsort`;
       * `gather`, `indexed_add`, `indexed_put`, and the `take`, `take_along_axis`,
         cumulative and `logical_not` blocks, each as the MLX op `Emily.Backend` runs
         (indices clamped on reads, dropped on writes; with `:debug_bounds_check` these
         fall back, so that the backend checks them);
       * `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused kernels, and every
         other block (`top_k`, `all_close`, a library's own) as its default
-        implementation, lowered in turn.
+        implementation, lowered in turn;
+      * `while` loops whose condition reads no input (over a range or a tensor's
+        elements, counted loops, `Nx.Random`'s rounds): unrolled, up to 1024 passes,
+        the condition computed before each pass when the graph is lowered.
 
-    A graph with anything else (`while`, `cond`, hooks, tokens, `reduce` and
-    `window_reduce` with a function, the window scatters, FFTs, other complex and
-    linear algebra ops, other types, vectorized tensors) runs whole on the evaluator
-    path and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
-    `%{reason: reason}` (`{:op, op}`, `{:type, type}`, ...).
+    A graph with anything else (a `while` whose condition reads an input, `cond`,
+    hooks, tokens, `reduce` and `window_reduce` with a function, FFTs, other complex
+    and linear algebra ops, other types, vectorized tensors) runs whole on the
+    evaluator path and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
+    `%{reason: reason}` (`{:op, op}`, `{:type, type}`,
+    `{:while, :condition_reads_input}`, ...); the graph is not lowered again.
 
     What reads no input (constants, iotas and what is computed from them alone, such
     as a causal mask) is computed once, when the graph is lowered, and held by the compiled function as one more input of the
@@ -122,8 +128,8 @@ if Code.ensure_loaded?(Nx) do
     # `Nx.Defn.jit` calls `__jit__` on every run, and tracing (plus lowering) a graph
     # costs about as much again as running it on small inputs: traced graphs and lowered
     # programs are kept, per function, input templates and options, as EXLA keeps its
-    # executables. Graphs that fall back are not kept, so each of their runs reports the
-    # fallback.
+    # executables. A graph that falls back is kept as such (with its reason), so that it
+    # is not lowered again; each of its runs still reports the fallback.
     defp lowered(key, vars, fun, opts, device) do
       {cache?, opts} = Keyword.pop(opts, :cache, true)
 
@@ -132,20 +138,18 @@ if Code.ensure_loaded?(Nx) do
       end)
     end
 
-    # `make`'s `{:ok, value}`, kept under `cache_key` (with `cache?`); other results are
-    # returned, not kept.
+    # `make`'s result, kept under `cache_key` (with `cache?`).
     defp cached(false, _cache_key, make), do: make.()
 
     defp cached(true, cache_key, make) do
       case cache_lookup(cache_key) do
-        {:ok, value} ->
-          {:ok, value}
+        {:ok, result} ->
+          result
 
         :error ->
-          with {:ok, value} <- make.() do
-            cache_store(cache_key, value)
-            {:ok, value}
-          end
+          result = make.()
+          cache_store(cache_key, result)
+          result
       end
     end
 

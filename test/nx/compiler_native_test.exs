@@ -83,6 +83,39 @@ if Code.ensure_loaded?(Nx) do
 
     defn(inverses(x, i), do: {Nx.erf_inv(x), Nx.bitcast(i, :f32), Nx.bitcast(x, :u32)})
 
+    # Loops of a number of passes known when the graph is lowered: over a range, over a
+    # tensor's rows, nested, with a body that reads the input.
+    defn loops(x, w) do
+      {_i, acc, _w} =
+        while {i = 0, acc = x, w}, i < 3 do
+          {i + 1, Nx.tanh(Nx.dot(acc, w)) + i, w}
+        end
+
+      rows =
+        while total = Nx.broadcast(0.0, {Nx.axis_size(w, 1)}), row <- w do
+          {inner, _row} =
+            while {t = total, row}, j <- 0..1 do
+              {t + row * j, row}
+            end
+
+          inner - row / 2
+        end
+
+      {acc, rows}
+    end
+
+    defn count_to(x) do
+      x + while(i = 0, i < 2000, do: i + 1)
+    end
+
+    defn random(key) do
+      {u, key} = Nx.Random.uniform_split(key, -1.0, 1.0, shape: {3, 4}) |> then(&{&1, key})
+      normal = Nx.Random.normal_split(key, 0.0, 2.0, shape: {5})
+      {ints, key} = Nx.Random.randint(key, 0, 10, shape: {6}, type: :s32)
+      {shuffled, _key} = Nx.Random.shuffle(key, Nx.iota({7}))
+      {u, normal, ints, shuffled, Nx.Random.split(key)}
+    end
+
     # A small convolutional classifier's loss: its gradient takes the window scatters
     # (max pooling), indexed_add (the embedding) and transposed convolutions.
     defn cnn_loss({kernel, emb, w}, x, tokens) do
@@ -203,6 +236,15 @@ if Code.ensure_loaded?(Nx) do
         O.tensor({2, 2, 3, 3}, {:f, 32}),
         O.tensor({2, 1, 2, 2}, {:f, 32})
       ])
+    end
+
+    test "while loops of a number of passes known when lowered are unrolled" do
+      check_paths(&powers/1, [O.tensor({3}, {:f, 32})])
+      check_paths(&loops/2, [O.tensor({2, 3}, {:f, 32}), O.tensor({3, 3}, {:f, 32})])
+    end
+
+    test "Nx.Random in defn (threefry's loops, erf_inv) gives Nx.BinaryBackend's numbers" do
+      check_paths(&random/1, [Nx.Random.key(42)])
     end
 
     test "erf_inv (Nx's formula on the CPU) and bitcast" do
@@ -368,12 +410,18 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    test "a graph with while falls back with telemetry and still computes" do
+    test "a while whose condition reads the input falls back with telemetry and still computes" do
       x = Nx.tensor([1.0, 2.0])
-      {out, fallbacks} = with_fallbacks(fn -> ejit(&powers/1, native: true).(x) end)
-      assert [%{reason: {:op, :while}}] = fallbacks
-      # acc -> acc * x + 1, four times from acc = x: 1 -> 5; 2 -> 5, 11, 23, 47.
-      assert Nx.to_flat_list(out) == [5.0, 47.0]
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&grow/1, native: true).(x) end)
+      assert [%{reason: {:while, :condition_reads_input}}] = fallbacks
+      # acc -> 2 acc + 1 until no element is below 100: six passes.
+      assert Nx.to_flat_list(out) == [127.0, 191.0]
+    end
+
+    test "a while of more passes than the lowering unrolls falls back" do
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&count_to/1, native: true).(1) end)
+      assert [%{reason: {:while, {:more_passes_than, 1024}}}] = fallbacks
+      assert Nx.to_number(out) == 2001
     end
 
     test "float to integer as_type: truncation, NaN to 0, infinities to the type's limits" do

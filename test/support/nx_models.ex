@@ -18,7 +18,7 @@ if Code.ensure_loaded?(Nx) do
       Nx.dot(softmax(scores), [2], [0], v, [1], [0])
     end
 
-    # A `while` loop: what the native path cannot lower.
+    # A `while` loop of four passes.
     defn powers(x) do
       {_i, acc, _x} =
         while {i = 0, acc = x, x}, i < 4 do
@@ -26,6 +26,13 @@ if Code.ensure_loaded?(Nx) do
         end
 
       acc
+    end
+
+    # A `while` whose condition reads the input: what the native path cannot lower.
+    defn grow(x) do
+      while acc = x, Nx.all(acc < 100) do
+        acc * 2 + 1
+      end
     end
   end
 end

@@ -38,6 +38,9 @@ if Code.ensure_loaded?(Nx) do
 
     @erf_inv Emily.Backend.Ops.erf_inv_coefficients()
 
+    # The most passes of a `while` the lowering unrolls.
+    @max_passes 1024
+
     @fast_blocks Emily.Fast.blocks()
 
     # Integers beyond this do not survive the op table's `float` argument exactly.
@@ -126,7 +129,9 @@ if Code.ensure_loaded?(Nx) do
         do: throw({:unsupported, :vectorized})
 
       params = length(flat_vars)
-      tensors = collect_tensors(outputs, {%{}, []}) |> elem(1) |> Enum.reverse()
+      known = MapSet.new(flat_vars, & &1.data.id)
+      {_seen, tensors, defaults, _known} = collect(outputs, {%{}, [], %{}, known})
+      tensors = Enum.reverse(tensors)
       extra_slots = tensors |> Enum.with_index(params) |> Map.new(fn {t, i} -> {t.data.id, i} end)
       extras = Enum.map(tensors, &to_device(&1.data.args |> hd(), device))
 
@@ -137,7 +142,11 @@ if Code.ensure_loaded?(Nx) do
         emitted: %{},
         device: device,
         checks: [],
-        defaults: %{}
+        defaults: defaults,
+        whiles: %{},
+        instr_at: %{},
+        const: MapSet.new(),
+        values: %{}
       }
 
       {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)
@@ -235,21 +244,74 @@ if Code.ensure_loaded?(Nx) do
     defp to_device(%T{data: %Emily.Backend{}} = t, _device), do: t
     defp to_device(%T{} = t, device), do: Nx.backend_copy(t, {Emily.Backend, device: device})
 
-    # The `:tensor` nodes of the graph, in first-seen order.
-    defp collect_tensors([], acc), do: acc
+    # One walk of the graph, loop bodies and blocks' defaults included: its `:tensor`
+    # nodes (captured tensors), last seen first, and the parameters of each block's
+    # default, `%{param_id => position}` by the block's id (see block_params/4). `known`
+    # holds the parameters found so far: the function's, loops' and blocks'.
+    defp collect([], acc), do: acc
 
-    defp collect_tensors([%T{data: %Expr{id: id, op: op, args: args}} = t | rest], {seen, acc}) do
+    defp collect([%T{data: %Expr{id: id, op: op, args: args}} = t | rest], acc) do
+      {seen, tensors, defaults, known} = acc
+
       acc =
         cond do
-          Map.has_key?(seen, id) -> {seen, acc}
-          op == :tensor -> {Map.put(seen, id, true), [t | acc]}
-          true -> collect_tensors(args_tensors(args), {Map.put(seen, id, true), acc})
+          Map.has_key?(seen, id) ->
+            acc
+
+          op == :tensor ->
+            {Map.put(seen, id, true), [t | tensors], defaults, known}
+
+          op == :block ->
+            [_block, in_args, default, _fun] = args
+            params = block_params(flat(default), known, %{}, %{})
+            known = Enum.into(Map.keys(params), known)
+            acc = {Map.put(seen, id, true), tensors, Map.put(defaults, id, params), known}
+            collect(Enum.filter(in_args, &match?(%T{}, &1)) ++ flat(default), acc)
+
+          op == :while ->
+            [initial, arg, condition, body] = args
+            known = Enum.into(flat(arg), known, & &1.data.id)
+            nodes = flat(initial) ++ [condition | flat(body)]
+            collect(nodes, {Map.put(seen, id, true), tensors, defaults, known})
+
+          true ->
+            collect(args_tensors(args), {Map.put(seen, id, true), tensors, defaults, known})
         end
 
-      collect_tensors(rest, acc)
+      collect(rest, acc)
     end
 
-    defp collect_tensors([_ | rest], acc), do: collect_tensors(rest, acc)
+    defp collect([_ | rest], acc), do: collect(rest, acc)
+
+    # The parameters of a block's default (`nodes`): Nx.Defn.Expr.block/4 made one per
+    # tensor argument, by position. They are its `:parameter` nodes that are not known
+    # already (the function's, an enclosing loop's or block's), found without entering
+    # an inner loop's body or an inner block's default, whose parameters are their own.
+    defp block_params([], _known, _seen, params), do: params
+
+    defp block_params([%T{data: %Expr{id: id, op: op, args: args}} | rest], known, seen, params) do
+      cond do
+        Map.has_key?(seen, id) ->
+          block_params(rest, known, seen, params)
+
+        op == :parameter ->
+          params = if id in known, do: params, else: Map.put(params, id, hd(args))
+          block_params(rest, known, Map.put(seen, id, true), params)
+
+        true ->
+          inner =
+            case {op, args} do
+              {:block, [_, in_args, _, _]} -> Enum.filter(in_args, &match?(%T{}, &1))
+              {:while, [initial | _]} -> flat(initial)
+              _ -> args_tensors(args)
+            end
+
+          block_params(inner ++ rest, known, Map.put(seen, id, true), params)
+      end
+    end
+
+    defp block_params([_ | rest], known, seen, params),
+      do: block_params(rest, known, seen, params)
 
     defp args_tensors(args) do
       Enum.flat_map(args, fn
@@ -730,7 +792,17 @@ if Code.ensure_loaded?(Nx) do
       lower_node(elem(default, i), st)
     end
 
-    # Otherwise a tuple's element comes from `while`, `cond` or the like.
+    defp lower_op(:while, _args, t, st) do
+      {[slot], st} = unrolled(t, st)
+      {slot, st}
+    end
+
+    defp lower_op(:elem, [%T{data: %Expr{op: :while}} = loop, i], _t, st) do
+      {slots, st} = unrolled(loop, st)
+      {Enum.at(slots, i), st}
+    end
+
+    # Otherwise a tuple's element comes from `cond` or the like.
     defp lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
       do: throw({:unsupported, {:op, op}})
 
@@ -816,25 +888,94 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :concatenate, [parts, 0])
     end
 
-    # The default of the block node `block`, traced once (per lowering) from the block's
-    # function over fresh parameters, whose slots are those of the block's arguments: the
-    # expression Nx keeps in the node has parameters that cannot be told apart from the
-    # function's own.
-    defp block_default(%T{data: %Expr{id: id, args: [block, in_args, _, fun]}}, st) do
-      case st.defaults do
-        %{^id => default} ->
-          {default, st}
+    # A `while` whose condition reads no input (a loop over a range or a tensor's
+    # elements, Nx.Random's rounds) runs a number of times known here: it is unrolled,
+    # its condition computed before each pass, now, from the constants it is made of.
+    # The final state's slots, once per node (and per pass of an enclosing loop).
+    defp unrolled(%T{data: %Expr{id: id, args: [initial, arg, condition, body]}}, st) do
+      case st.whiles do
+        %{^id => slots} ->
+          {slots, st}
 
         _ ->
-          {args, opts} = Enum.split_while(in_args, &(not is_list(&1)))
-          {slots, st} = Enum.map_reduce(args, st, &lower_node/2)
-          params = Enum.with_index(args, &Expr.parameter/2)
-          default = apply(fun, [block | params ++ opts])
-          memo = Enum.zip(params, slots) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
-
-          {default,
-           %{st | memo: Map.merge(st.memo, memo), defaults: Map.put(st.defaults, id, default)}}
+          {state, st} = Enum.map_reduce(flat(initial), st, &lower_node/2)
+          {state, st} = unroll(flat(arg), condition, flat(body), state, st, 0)
+          {state, %{st | whiles: Map.put(st.whiles, id, state)}}
       end
+    end
+
+    defp unroll(params, condition, body, state, st, passes) do
+      # What is lowered for one pass (its nodes, inner loops) holds for that pass only.
+      outer = Map.take(st, [:memo, :whiles])
+      bound = Enum.zip(params, state) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
+      {pred, st} = lower_node(condition, %{st | memo: Map.merge(st.memo, bound)})
+
+      if not MapSet.member?(st.const, pred),
+        do: throw({:unsupported, {:while, :condition_reads_input}})
+
+      {value, st} = constant_value(pred, st)
+
+      cond do
+        Emily.to_list(value) == [0] ->
+          {state, Map.merge(st, outer)}
+
+        passes == @max_passes ->
+          throw({:unsupported, {:while, {:more_passes_than, @max_passes}}})
+
+        true ->
+          {state, st} = Enum.map_reduce(body, st, &lower_node/2)
+          unroll(params, condition, body, state, Map.merge(st, outer), passes + 1)
+      end
+    end
+
+    defp flat(tuple) when is_tuple(tuple), do: Tuple.to_list(tuple)
+    defp flat(%T{} = t), do: [t]
+
+    # The value of the constant `slot`, computed now, with the constants it is made of
+    # (each kept, so that the next pass's condition starts from them).
+    defp constant_value(slot, st) do
+      needed = needed_constants([slot], st, MapSet.new()) |> Enum.sort()
+
+      known =
+        needed
+        |> Enum.flat_map(&Emily.Program.input_slots(Map.fetch!(st.instr_at, &1)))
+        |> Enum.filter(&Map.has_key?(st.values, &1))
+        |> Enum.uniq()
+
+      index = Map.new(Enum.with_index(known ++ needed))
+      at = &Map.fetch!(index, &1)
+      instrs = Enum.map(needed, &Emily.Program.map_slots(Map.fetch!(st.instr_at, &1), at))
+      program = Emily.Program.new(instrs, inputs: length(known), outputs: Enum.map(needed, at))
+      inputs = Enum.map(known, &Map.fetch!(st.values, &1))
+      values = Emily.Program.eval(program, inputs, stream: Emily.Stream.default(st.device))
+      st = %{st | values: Map.merge(st.values, Map.new(Enum.zip(needed, values)))}
+      {Map.fetch!(st.values, slot), st}
+    rescue
+      Emily.Error -> throw({:unsupported, {:while, :condition_failed}})
+    end
+
+    defp needed_constants([], _st, acc), do: acc
+
+    defp needed_constants([slot | rest], st, acc) do
+      if MapSet.member?(acc, slot) or Map.has_key?(st.values, slot) do
+        needed_constants(rest, st, acc)
+      else
+        inputs = Emily.Program.input_slots(Map.fetch!(st.instr_at, slot))
+        needed_constants(inputs ++ rest, st, MapSet.put(acc, slot))
+      end
+    end
+
+    # The default Nx traced for the block node `block`, its parameters (see collect/2)
+    # bound to the slots of the block's tensor arguments.
+    defp block_default(%T{data: %Expr{id: id, args: [_block, in_args, default, _fun]}}, st) do
+      inputs = Enum.take_while(in_args, &(not is_list(&1)))
+      {slots, st} = Enum.map_reduce(inputs, st, &lower_node/2)
+      slots = List.to_tuple(slots)
+
+      bound =
+        Map.new(Map.fetch!(st.defaults, id), fn {param, pos} -> {param, elem(slots, pos)} end)
+
+      {default, %{st | memo: Map.merge(st.memo, bound)}}
     end
 
     defp unless_bounds_checked(op) do
@@ -861,8 +1002,17 @@ if Code.ensure_loaded?(Nx) do
 
         _ ->
           slot = st.next
-          instrs = [key | st.instrs]
-          {slot, %{st | next: slot + 1, instrs: instrs, emitted: Map.put(st.emitted, key, slot)}}
+          const? = Enum.all?(Emily.Program.input_slots(key), &MapSet.member?(st.const, &1))
+
+          {slot,
+           %{
+             st
+             | next: slot + 1,
+               instrs: [key | st.instrs],
+               emitted: Map.put(st.emitted, key, slot),
+               instr_at: Map.put(st.instr_at, slot, key),
+               const: if(const?, do: MapSet.put(st.const, slot), else: st.const)
+           }}
       end
     end
   end
