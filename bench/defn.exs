@@ -96,6 +96,13 @@ defmodule Bench.Defn.Models do
     x + Nx.dot(gelu(Nx.dot(h, w1)), w2)
   end
 
+  # Dropout at rate 0.5: Nx.Random.uniform's threefry rounds are two `while` loops,
+  # which the native path unrolls.
+  defn dropout(x, key) do
+    keep = Nx.Random.uniform_split(key, 0.0, 1.0, shape: Nx.shape(x)) >= 0.5
+    Nx.select(keep, x * 2, 0.0)
+  end
+
   # A sequence classifier: token and position embeddings (take), the block, mean
   # pooling and a linear head; the predicted class (argmax).
   defn classifier(tokens, {emb, pos}, block_params, {wc, bc}) do
@@ -374,7 +381,20 @@ chains =
     Bench.Defn.graph("chain of #{n} sin/cos, 1x8", &Models.chain(&1, n: n), [x], 100, dir, false)
   end
 
-graphs = graphs ++ chains
+{noise_in, _key} = Bench.Defn.random(Nx.Random.key(7), {64, 64}, 1.0)
+noise_key = Nx.backend_copy(Nx.Random.key(8), Nx.BinaryBackend)
+
+dropout =
+  Bench.Defn.graph(
+    "dropout 64x64 (Nx.Random.uniform)",
+    &Models.dropout/2,
+    [noise_in, noise_key],
+    100,
+    dir,
+    true
+  )
+
+graphs = graphs ++ [dropout] ++ chains
 
 min_merge = fn maps -> Enum.reduce(maps, &Map.merge(&1, &2, fn _, a, b -> min(a, b) end)) end
 

@@ -35,7 +35,7 @@ DTYPES = {
     "bool": "mx.bool_",
 }
 NP = {("f", 32): np.float32, ("f", 64): np.float64, ("s", 32): np.int32, ("s", 64): np.int64,
-      ("u", 8): np.uint8, "bool": np.bool_}
+      ("u", 8): np.uint8, ("u", 32): np.uint32, "bool": np.bool_}
 
 # The op table's name is MLX's for these; their arguments are all tensors.
 ELEMENTWISE = {
@@ -43,7 +43,7 @@ ELEMENTWISE = {
     "tan", "tanh", "sigmoid", "erf", "floor", "ceil", "logical_not", "isnan", "isinf",
     "add", "subtract", "multiply", "divide", "power", "maximum", "minimum", "remainder",
     "equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and",
-    "logical_or", "where",
+    "logical_or", "where", "bitwise_and", "bitwise_or", "bitwise_xor",
 }
 
 
@@ -74,8 +74,26 @@ def dot_general(t, a, ca, ba, b, cb, bb, shape):
     return f"t{t} = mx.reshape(mx.matmul({at}, {bt}), {out})"
 
 
-def statement(t, op, args, shape):
+def shift(t, op, a, b, dtype):
+    """Emily's shifts (cpp/binary.cc, left_shift_safe and right_shift_safe): a count
+    outside [0, width) gives 0 (a signed right shift, the sign fill), as in Nx."""
+    d = dtype(a)
+    name = str(d).split(".")[-1]
+    bits = 8 * d.size
+    big = f"mx.greater_equal(t{b}, mx.array({bits}, mx.{name}))"
+    oor = f"mx.logical_or({big}, mx.less(t{b}, mx.array(0, mx.{name})))" if name.startswith("int") else big
+    if op == "right_shift" and name.startswith("int"):
+        return (f"o{t} = {oor}; "
+                f"t{t} = mx.right_shift(t{a}, mx.where(o{t}, mx.array({bits - 1}, mx.{name}), t{b}))")
+    zero = f"mx.array(0, mx.{name})"
+    return (f"o{t} = {oor}; "
+            f"t{t} = mx.where(o{t}, {zero}, mx.{op}(t{a}, mx.where(o{t}, {zero}, t{b})))")
+
+
+def statement(t, op, args, shape, dtype):
     """The Python statement for instruction `op(args)` writing slot `t`."""
+    if op in ("left_shift", "right_shift"):
+        return shift(t, op, *args, dtype)
     if op in ELEMENTWISE:
         return f"t{t} = mx.{op}({', '.join(f't{a}' for a in args)})"
     if op == "dot":
@@ -86,6 +104,8 @@ def statement(t, op, args, shape):
     if op == "arange":
         start, stop, step, d = args
         return f"t{t} = mx.arange({start}, {stop}, {step}, dtype={DTYPES[d]})"
+    if op == "view":
+        return f"t{t} = t{args[0]}.view({DTYPES[args[1]]})"
     if op == "astype":
         return f"t{t} = t{args[0]}.astype({DTYPES[args[1]]})"
     if op in ("reshape", "broadcast_to"):
@@ -121,7 +141,8 @@ def build(graph, inputs):
     env = {"mx": mx, **{f"t{i}": x for i, x in enumerate(inputs)}}
     lines = []
     for t, (op, args) in enumerate(graph["instrs"], start=n):
-        line = statement(t, op, args, lambda slot: env[f"t{slot}"].shape)
+        line = statement(t, op, args, lambda slot: env[f"t{slot}"].shape,
+                         lambda slot: env[f"t{slot}"].dtype)
         exec(line, env)  # lazily: only to learn the shapes later instructions need
         lines.append("    " + line)
     outs = ", ".join(f"t{o}" for o in graph["outputs"])

@@ -568,17 +568,20 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :clip, [x, lo, hi])
     end
 
-    # Tensor start indices stay on the device, where the op clamps them as Nx does.
+    # Start indices that read an input stay on the device, where the op clamps them as
+    # Nx does.
     defp lower_op(:slice, [x, starts, lengths, strides], _t, st) do
       {slot, st} = lower_node(x, st)
 
-      if Enum.all?(starts, &is_integer/1) do
-        starts = clamp_starts(x.shape, starts, lengths)
-        stops = Enum.zip_with(starts, lengths, &(&1 + &2))
-        emit(st, :slice, [slot, starts, stops, strides])
-      else
-        {starts, st} = starts_vector(starts, st)
-        emit(st, :slice_dynamic, [slot, starts, all_axes(x.shape), lengths, strides])
+      case known_starts(starts, st) do
+        {:ok, starts, st} ->
+          starts = clamp_starts(x.shape, starts, lengths)
+          stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+          emit(st, :slice, [slot, starts, stops, strides])
+
+        {:dynamic, st} ->
+          {starts, st} = starts_vector(starts, st)
+          emit(st, :slice_dynamic, [slot, starts, all_axes(x.shape), lengths, strides])
       end
     end
 
@@ -702,14 +705,17 @@ if Code.ensure_loaded?(Nx) do
       else
         {u, st} = operand(update, type, st)
 
-        if Enum.all?(starts, &is_integer/1) do
-          lengths = Tuple.to_list(update.shape)
-          starts = clamp_starts(shape, starts, lengths)
-          stops = Enum.zip_with(starts, lengths, &(&1 + &2))
-          emit(st, :slice_update, [slot, u, starts, stops, List.duplicate(1, tuple_size(shape))])
-        else
-          {starts, st} = starts_vector(starts, st)
-          emit(st, :slice_update_dynamic, [slot, u, starts, all_axes(shape)])
+        case known_starts(starts, st) do
+          {:ok, starts, st} ->
+            lengths = Tuple.to_list(update.shape)
+            starts = clamp_starts(shape, starts, lengths)
+            stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+            ones = List.duplicate(1, tuple_size(shape))
+            emit(st, :slice_update, [slot, u, starts, stops, ones])
+
+          {:dynamic, st} ->
+            {starts, st} = starts_vector(starts, st)
+            emit(st, :slice_update_dynamic, [slot, u, starts, all_axes(shape)])
         end
       end
     end
@@ -873,6 +879,37 @@ if Code.ensure_loaded?(Nx) do
     defp int_limit(st, :max, {:s, bits} = type),
       do: emit(st, :full, [{}, 2 ** (bits - 1) - 1, type])
 
+    # Start indices as numbers, where each is a number or a tensor computed from
+    # constants alone (an unrolled loop's counter): computed now. {:dynamic, st} where
+    # one reads an input.
+    defp known_starts(starts, st) do
+      {slots, st} =
+        Enum.map_reduce(starts, st, fn
+          i, st when is_integer(i) ->
+            {i, st}
+
+          %T{} = t, st ->
+            {slot, st} = lower_node(t, st)
+            {{:slot, slot}, st}
+        end)
+
+      if Enum.all?(slots, &(is_integer(&1) or MapSet.member?(st.const, elem(&1, 1)))) do
+        {starts, st} =
+          Enum.map_reduce(slots, st, fn
+            i, st when is_integer(i) ->
+              {i, st}
+
+            {:slot, slot}, st ->
+              {value, st} = constant_value(slot, st)
+              {hd(Emily.to_list(value)), st}
+          end)
+
+        {:ok, starts, st}
+      else
+        {:dynamic, st}
+      end
+    end
+
     # One s64 vector of start indices, integers and scalar tensors alike.
     defp starts_vector(starts, st) do
       {parts, st} =
@@ -951,7 +988,8 @@ if Code.ensure_loaded?(Nx) do
       st = %{st | values: Map.merge(st.values, Map.new(Enum.zip(needed, values)))}
       {Map.fetch!(st.values, slot), st}
     rescue
-      Emily.Error -> throw({:unsupported, {:while, :condition_failed}})
+      # (MLX rejected the constants: the graph runs on the evaluator, which says why.)
+      e in Emily.Error -> throw({:unsupported, {:folding, Exception.message(e)}})
     end
 
     defp needed_constants([], _st, acc), do: acc
