@@ -42,10 +42,14 @@ if Code.ensure_loaded?(Nx) do
         implementation, lowered in turn;
       * `while` loops whose condition reads no input (over a range or a tensor's
         elements, counted loops, `Nx.Random`'s rounds): unrolled, up to 1024 passes,
-        the condition computed before each pass when the graph is lowered.
+        the condition computed before each pass when the graph is lowered;
+      * `cond` (and `if`): a clause whose predicate reads no input is decided when the
+        graph is lowered; otherwise every branch is computed and the results
+        selected, so an untaken branch costs its time (not under
+        `:debug_detect_nan_inf`, whose checks would see it).
 
-    A graph with anything else (a `while` whose condition reads an input, `cond`,
-    hooks, tokens, `reduce` and `window_reduce` with a function, FFTs, other complex
+    A graph with anything else (a `while` whose condition reads an input, hooks,
+    tokens, `reduce` and `window_reduce` with a function, FFTs, other complex
     and linear algebra ops, other types, vectorized tensors) runs whole on the
     evaluator path and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
     `%{reason: reason}` (`{:op, op}`, `{:type, type}`,

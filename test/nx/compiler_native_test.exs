@@ -110,6 +110,32 @@ if Code.ensure_loaded?(Nx) do
       {acc, rows, written}
     end
 
+    # `if` and `cond` on a value (every branch computed, the results selected), on a
+    # constant (decided as the graph is lowered), returning tuples, with a captured
+    # tensor in a branch.
+    defn branches(x, i) do
+      a =
+        if Nx.sum(x) > 0 do
+          x * 2
+        else
+          x - Nx.tensor([1.0, 2.0, 3.0])
+        end
+
+      {b, c} =
+        cond do
+          i == 0 -> {x + 1, i}
+          i < 0 -> {Nx.exp(x), -i}
+          true -> {Nx.sin(x), i * 2}
+        end
+
+      {_n, d} =
+        while {n = 0, d = x}, n < 3 do
+          {n + 1, if(n == 1, do: d * 10, else: d + 1)}
+        end
+
+      {a, b, c, d}
+    end
+
     defn count_to(x) do
       x + while(i = 0, i < 2000, do: i + 1)
     end
@@ -247,6 +273,13 @@ if Code.ensure_loaded?(Nx) do
     test "while loops of a number of passes known when lowered are unrolled" do
       check_paths(&powers/1, [O.tensor({3}, {:f, 32})])
       check_paths(&loops/2, [O.tensor({2, 3}, {:f, 32}), O.tensor({3, 3}, {:f, 32})])
+    end
+
+    test "if and cond: decided on constants, else both sides computed and selected" do
+      for x <- [Nx.tensor([1.0, -0.5, 2.0]), Nx.tensor([-3.0, 0.5, -2.0])],
+          i <- [-2, 0, 3] do
+        check_paths(&branches/2, [x, Nx.tensor(i)])
+      end
     end
 
     test "Nx.Random in defn (threefry's loops, erf_inv) gives Nx.BinaryBackend's numbers" do

@@ -268,6 +268,11 @@ if Code.ensure_loaded?(Nx) do
             acc = {Map.put(seen, id, true), tensors, Map.put(defaults, id, params), known}
             collect(Enum.filter(in_args, &match?(%T{}, &1)) ++ flat(default), acc)
 
+          op == :cond ->
+            [clauses, last] = args
+            nodes = Enum.flat_map(clauses, fn {pred, branch} -> [pred | flat(branch)] end)
+            collect(nodes ++ flat(last), {Map.put(seen, id, true), tensors, defaults, known})
+
           op == :while ->
             [initial, arg, condition, body] = args
             known = Enum.into(flat(arg), known, & &1.data.id)
@@ -808,7 +813,17 @@ if Code.ensure_loaded?(Nx) do
       {Enum.at(slots, i), st}
     end
 
-    # Otherwise a tuple's element comes from `cond` or the like.
+    defp lower_op(:cond, [clauses, last], _t, st) do
+      {[slot], st} = chosen(clauses, last, st)
+      {slot, st}
+    end
+
+    defp lower_op(:elem, [%T{data: %Expr{op: :cond, args: [clauses, last]}}, i], _t, st) do
+      {slots, st} = chosen(clauses, last, st)
+      {Enum.at(slots, i), st}
+    end
+
+    # Otherwise a tuple's element comes from an op not lowered.
     defp lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
       do: throw({:unsupported, {:op, op}})
 
@@ -962,6 +977,36 @@ if Code.ensure_loaded?(Nx) do
         true ->
           {state, st} = Enum.map_reduce(body, st, &lower_node/2)
           unroll(params, condition, body, state, Map.merge(st, outer), passes + 1)
+      end
+    end
+
+    # A `cond`'s results: a clause whose predicate is computed from constants alone is
+    # decided now; otherwise its branch and what follows are both computed and the
+    # results selected (`where`). Branches hold no side effects (hooks and tokens are
+    # not lowered) and MLX's ops do not fail on values, so computing a branch not taken
+    # changes nothing but the time; under :debug_detect_nan_inf, whose checks would see
+    # it, such a `cond` is not lowered.
+    defp chosen([], last, st), do: Enum.map_reduce(flat(last), st, &lower_node/2)
+
+    defp chosen([{pred, branch} | rest], last, st) do
+      {p, st} = lower_node(pred, st)
+
+      if MapSet.member?(st.const, p) do
+        {value, st} = constant_value(p, st)
+
+        if Emily.to_list(value) == [0],
+          do: chosen(rest, last, st),
+          else: Enum.map_reduce(flat(branch), st, &lower_node/2)
+      else
+        if Emily.Debug.detect_nan_inf?(),
+          do: throw({:unsupported, {:cond, :debug_detect_nan_inf}})
+
+        {p, st} = operand(pred, :bool, st)
+        {taken, st} = Enum.map_reduce(flat(branch), st, &lower_node/2)
+        {other, st} = chosen(rest, last, st)
+
+        Enum.zip(taken, other)
+        |> Enum.map_reduce(st, fn {a, b}, st -> emit(st, :where, [p, a, b]) end)
       end
     end
 
