@@ -1,0 +1,141 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Compiler.Native.Control do
+    @moduledoc false
+    # The structure of an `Nx.Defn.Expr` graph, lowered to straight-line instructions
+    # (see Emily.Compiler.Native): `while` loops unrolled, `cond` decided or selected,
+    # blocks without a kernel lowered as their default, and the elements of their
+    # tuple results.
+
+    alias Nx.Defn.Expr
+    alias Nx.Tensor, as: T
+
+    import Emily.Compiler.Native,
+      only: [lower_node: 2, emit: 3, operand: 3, constant_value: 2, flat: 1]
+
+    # The most passes of a `while` the lowering unrolls.
+    @max_passes 1024
+
+    @doc false
+    # A block without a kernel (see Emily.Compiler.Native.Ops): its default
+    # implementation (Nx's own, built of other ops), as Emily.Backend runs it.
+    def lower_op(:block, [_block, _in_args, %T{}, _fun], t, st) do
+      {default, st} = block_default(t, st)
+      lower_node(default, st)
+    end
+
+    # An element of a block's tuple result: that element of its default.
+    def lower_op(:elem, [%T{data: %Expr{op: :block}} = block, i], _t, st) do
+      {default, st} = block_default(block, st)
+      lower_node(elem(default, i), st)
+    end
+
+    def lower_op(:while, _args, t, st) do
+      {[slot], st} = unrolled(t, st)
+      {slot, st}
+    end
+
+    def lower_op(:elem, [%T{data: %Expr{op: :while}} = loop, i], _t, st) do
+      {slots, st} = unrolled(loop, st)
+      {Enum.at(slots, i), st}
+    end
+
+    def lower_op(:cond, [clauses, last], _t, st) do
+      {[slot], st} = chosen(clauses, last, st)
+      {slot, st}
+    end
+
+    def lower_op(:elem, [%T{data: %Expr{op: :cond, args: [clauses, last]}}, i], _t, st) do
+      {slots, st} = chosen(clauses, last, st)
+      {Enum.at(slots, i), st}
+    end
+
+    # Otherwise a tuple's element comes from an op not lowered.
+    def lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
+      do: throw({:unsupported, {:op, op}})
+
+    def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
+
+    # A `while` whose condition reads no input (a loop over a range or a tensor's
+    # elements, Nx.Random's rounds) runs a number of times known here: it is unrolled,
+    # its condition computed before each pass, now, from the constants it is made of.
+    # The final state's slots, once per node (and per pass of an enclosing loop).
+    defp unrolled(%T{data: %Expr{id: id, args: [initial, arg, condition, body]}}, st) do
+      case st.whiles do
+        %{^id => slots} ->
+          {slots, st}
+
+        _ ->
+          {state, st} = Enum.map_reduce(flat(initial), st, &lower_node/2)
+          {state, st} = unroll(flat(arg), condition, flat(body), state, st, 0)
+          {state, %{st | whiles: Map.put(st.whiles, id, state)}}
+      end
+    end
+
+    defp unroll(params, condition, body, state, st, passes) do
+      # What is lowered for one pass (its nodes, inner loops) holds for that pass only.
+      outer = Map.take(st, [:memo, :whiles])
+      bound = Enum.zip(params, state) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
+      {pred, st} = lower_node(condition, %{st | memo: Map.merge(st.memo, bound)})
+
+      if not MapSet.member?(st.const, pred),
+        do: throw({:unsupported, {:while, :condition_reads_input}})
+
+      {value, st} = constant_value(pred, st)
+
+      cond do
+        Emily.to_list(value) == [0] ->
+          {state, Map.merge(st, outer)}
+
+        passes == @max_passes ->
+          throw({:unsupported, {:while, {:more_passes_than, @max_passes}}})
+
+        true ->
+          {state, st} = Enum.map_reduce(body, st, &lower_node/2)
+          unroll(params, condition, body, state, Map.merge(st, outer), passes + 1)
+      end
+    end
+
+    # A `cond`'s results: a clause whose predicate is computed from constants alone is
+    # decided now; otherwise its branch and what follows are both computed and the
+    # results selected (`where`). Branches hold no side effects (hooks and tokens are
+    # not lowered) and MLX's ops do not fail on values, so computing a branch not taken
+    # changes nothing but the time; under :debug_detect_nan_inf, whose checks would see
+    # it, such a `cond` is not lowered.
+    defp chosen([], last, st), do: Enum.map_reduce(flat(last), st, &lower_node/2)
+
+    defp chosen([{pred, branch} | rest], last, st) do
+      {p, st} = lower_node(pred, st)
+
+      if MapSet.member?(st.const, p) do
+        {value, st} = constant_value(p, st)
+
+        if Emily.to_list(value) == [0],
+          do: chosen(rest, last, st),
+          else: Enum.map_reduce(flat(branch), st, &lower_node/2)
+      else
+        if Emily.Debug.detect_nan_inf?(),
+          do: throw({:unsupported, {:cond, :debug_detect_nan_inf}})
+
+        {p, st} = operand(pred, :bool, st)
+        {taken, st} = Enum.map_reduce(flat(branch), st, &lower_node/2)
+        {other, st} = chosen(rest, last, st)
+
+        Enum.zip(taken, other)
+        |> Enum.map_reduce(st, fn {a, b}, st -> emit(st, :where, [p, a, b]) end)
+      end
+    end
+
+    # The default Nx traced for the block node `block`, its parameters (see collect/2)
+    # bound to the slots of the block's tensor arguments.
+    defp block_default(%T{data: %Expr{id: id, args: [_block, in_args, default, _fun]}}, st) do
+      inputs = Enum.take_while(in_args, &(not is_list(&1)))
+      {slots, st} = Enum.map_reduce(inputs, st, &lower_node/2)
+      slots = List.to_tuple(slots)
+
+      bound =
+        Map.new(Map.fetch!(st.defaults, id), fn {param, pos} -> {param, elem(slots, pos)} end)
+
+      {default, %{st | memo: Map.merge(st.memo, bound)}}
+    end
+  end
+end
