@@ -1,4 +1,5 @@
-# defn on Emily: an MLP forward pass, a transformer block and a chain of elementwise ops,
+# defn on Emily: an MLP forward pass, a transformer block, a classifier (embeddings, the
+# block, a head), dropout (Nx.Random's loops) and a chain of elementwise ops,
 # run through Emily.Compiler (evaluator path, every node a lazy MLX op; native path, the
 # graph lowered into one Emily.Program, through Nx.Defn.jit and Nx.Defn.compile, with
 # and without mx::compile) beside
