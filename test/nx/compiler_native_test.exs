@@ -177,6 +177,20 @@ if Code.ensure_loaded?(Nx) do
       {values, indices, Nx.all_close(x, y), Nx.all_close(x, x + 1.0e-9), doubled}
     end
 
+    # The ops lowered since the first subset, over every real type.
+    defn typed(x, idx) do
+      {values, _} = Nx.top_k(x, k: 2)
+
+      {Nx.take(x, idx, axis: 1), Nx.take_along_axis(x, Nx.argsort(x, axis: 1), axis: 1),
+       Nx.argmax(x, axis: 1, tie_break: :high), Nx.argmin(x),
+       Nx.sort(x, axis: 0, direction: :desc), Nx.cumulative_sum(x, axis: 1),
+       Nx.cumulative_max(x, axis: 0), values, Nx.pad(x, 1, [{1, 0, 1}, {0, -1, 0}]),
+       Nx.window_max(x, {2, 2}, padding: :same), Nx.window_sum(x, {1, 2}),
+       Nx.indexed_add(x, Nx.stack([Nx.remainder(idx, 3), idx], axis: 1), x[[.., 0]]),
+       Nx.put_slice(x, [1, 2], x[[0..1, 0..1]]), Nx.stack([x, Nx.reverse(x)], axis: 2),
+       Nx.gather(x, Nx.stack([Nx.remainder(idx, 3), Nx.remainder(idx + 1, 4)], axis: 1))}
+    end
+
     # Runs `fun` on every path and asserts they agree with Nx.BinaryBackend, and that
     # the native runs did not fall back.
     defp check_paths(fun, args, opts \\ []) do
@@ -252,6 +266,14 @@ if Code.ensure_loaded?(Nx) do
       check_paths(&indexing/3, [x, Nx.tensor([2, 0, 3], type: :s32), Nx.tensor(1)])
       # Start indices past the end are clamped, as Nx clamps them.
       check_paths(&indexing/3, [x, Nx.tensor([1, 1, 0], type: :s64), Nx.tensor(9)])
+    end
+
+    test "indexing, orderings, pad, windows and top_k over every real type" do
+      idx = Nx.tensor([2, 0, 3], type: :s32)
+
+      for type <- O.real_types(), type != {:f, 64} or Emily.default_device() == :cpu do
+        check_paths(&typed/2, [O.tensor({3, 4}, type, :small), idx], tol: O.tol(type))
+      end
     end
 
     test "argmax, argmin, sort, argsort, cumulative ops and logical_not" do
