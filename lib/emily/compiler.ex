@@ -15,9 +15,9 @@ if Code.ensure_loaded?(Nx) do
 
     The **native path** (`native: true`) lowers the graph once (at `Nx.Defn.compile`,
     or at the first `Nx.Defn.jit` call for given input shapes and types: see `:cache`)
-    into one `Emily.Program` and replays it per run in one native call, with the inputs
-    (and the graph's captured tensors) as the program's inputs, returning its outputs
-    evaluated (`Emily.Program.eval/3`: the call builds and evaluates the graph itself,
+    into one `Emily.Program` (or a few, around a loop that runs on the host: see below)
+    and replays it per run in one native call, with the inputs (and the graph's
+    captured tensors) as the program's inputs, returning its outputs evaluated (`Emily.Program.eval/3`: the call builds and evaluates the graph itself,
     with no hop to the stream's worker and back); with `compile: true` the program is
     also fused with `mx::compile` and runs on the stream's worker. It lowers, over the
     types MLX computes with (not f64 on a GPU):
@@ -43,22 +43,29 @@ if Code.ensure_loaded?(Nx) do
       * `while` loops whose condition reads no input (over a range or a tensor's
         elements, counted loops, `Nx.Random`'s rounds): unrolled, up to 1024 passes,
         the condition computed before each pass when the graph is lowered;
+      * `while` loops whose condition reads an input, outside other loops,
+        conditionals and blocks: the loop runs on the host, and the graph becomes
+        several programs: the loop's initial state, its condition, its body, and the
+        rest of the graph with the loop's results as inputs; each pass runs the
+        condition's program, reads its value, then runs the body's;
       * `cond` (and `if`): a clause whose predicate reads no input is decided when the
         graph is lowered; otherwise every branch is computed and the results
         selected, so an untaken branch costs its time (not under
         `:debug_detect_nan_inf`, whose checks would see it).
 
-    A graph with anything else (a `while` whose condition reads an input, hooks,
-    tokens, `reduce` and `window_reduce` with a function, FFTs, other complex
-    and linear algebra ops, other types, vectorized tensors) runs whole on the
-    evaluator path and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
-    `%{reason: reason}` (`{:op, op}`, `{:type, type}`,
-    `{:while, :condition_reads_input}`, ...); the graph is not lowered again.
+    A graph with anything else (hooks, tokens, a `while` whose condition reads an input
+    inside a loop, a conditional or a block, `reduce` and `window_reduce` with a
+    function, FFTs, other complex and linear algebra ops, other types, vectorized
+    tensors) runs whole on the evaluator path and emits
+    `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
+    (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...); the graph
+    is not lowered again.
 
     What reads no input (constants, iotas and what is computed from them alone, such
-    as a causal mask) is computed once, when the graph is lowered, and held by the compiled function as one more input of the
-    program, so that runs do not recompute it: each value up to 1 MiB; a larger one is
-    computed on every run from the smaller values it is made from. With
+    as a causal mask) is computed once, when the graph is lowered, and held by the
+    compiled function as one more input of the program, so that runs do not recompute
+    it: each value up to 1 MiB; a larger one is computed on every run from the smaller
+    values it is made from. With
     `:debug_detect_nan_inf` (`Emily.Debug`), the program also counts the non-finite
     values of each result `Emily.Backend` would check (`dot`, and `Emily.Fast`'s norms
     and attention), and the run raises as the backend would. The evaluator path stays
@@ -118,9 +125,9 @@ if Code.ensure_loaded?(Nx) do
         end
 
       case lowered(key, vars, fun, opts, device) do
-        {:ok, {program, extras, template, checks}} ->
+        {:ok, {plan, template, checks}} ->
           fn args_list ->
-            Enum.map(args_list, &run_native(program, extras, template, checks, &1, opts))
+            Enum.map(args_list, &run_native(plan, template, checks, &1, opts))
           end
 
         {:unsupported, reason} ->
@@ -216,7 +223,7 @@ if Code.ensure_loaded?(Nx) do
       {:unsupported, reason} -> {:unsupported, reason}
     end
 
-    defp run_native(program, extras, template, checks, args, opts) do
+    defp run_native(plan, template, checks, args, opts) do
       s =
         opts[:stream] || Emily.Stream.selected() ||
           if(device = opts[:device],
@@ -224,8 +231,7 @@ if Code.ensure_loaded?(Nx) do
             else: Emily.Stream.current()
           )
 
-      inputs = Enum.map(args, &native_input(&1.(), s)) ++ extras
-      refs = Emily.Program.eval(program, inputs, stream: s)
+      refs = Native.run(plan, Enum.map(args, &native_input(&1.(), s)), s)
 
       refs =
         case checks do

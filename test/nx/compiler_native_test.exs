@@ -136,6 +136,27 @@ if Code.ensure_loaded?(Nx) do
       {a, b, c, d}
     end
 
+    defn host_loops(x, n) do
+      {a, _n} =
+        while {a = x * 2, n}, Nx.sum(a) < n * 10 do
+          {a + Nx.abs(a) + 1, n}
+        end
+
+      {b, steps, _a} =
+        while {b = Nx.sum(a), steps = 0, a}, b > 1 do
+          # An inner loop reading the outer loop's state.
+          {halved, _, _} =
+            while {h = b, k = 0, m = Nx.as_type(Nx.reduce_max(Nx.abs(a)), :s32)},
+                  k < m and h > 1 do
+              {h / 2, k + 1, m}
+            end
+
+          {halved - 0.5, steps + 1, a}
+        end
+
+      {a * x, b + Nx.sum(x), steps}
+    end
+
     defn count_to(x) do
       x + while(i = 0, i < 2000, do: i + 1)
     end
@@ -471,11 +492,23 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    test "a while whose condition reads the input falls back with telemetry and still computes" do
+    test "a while whose condition reads an input runs on the host, each part one program" do
       x = Nx.tensor([1.0, 2.0])
-      {out, fallbacks} = with_fallbacks(fn -> ejit(&grow/1, native: true).(x) end)
-      assert [%{reason: {:while, :condition_reads_input}}] = fallbacks
       # acc -> 2 acc + 1 until no element is below 100: six passes.
+      for out <- native_results(&grow/1, [x]), do: assert(Nx.to_flat_list(out) == [127.0, 191.0])
+      # No pass at all; loops in turn, the second's state from the first's result; a loop
+      # in a loop's body; the inputs and the loops' results used after them.
+      check_paths(&grow/1, [Nx.tensor([200.0, 300.0])])
+
+      for x <- [Nx.tensor([0.5, -1.0, 2.0]), Nx.tensor([3.0, 4.0, 5.0])] do
+        check_paths(&host_loops/2, [x, Nx.tensor(3)])
+      end
+    end
+
+    test "such a while inside a branch falls back with telemetry and still computes" do
+      x = Nx.tensor([1.0, 2.0])
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&grow_if_positive/1, native: true).(x) end)
+      assert [%{reason: {:while, :condition_reads_input}}] = fallbacks
       assert Nx.to_flat_list(out) == [127.0, 191.0]
     end
 

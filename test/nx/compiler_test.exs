@@ -260,7 +260,7 @@ if Code.ensure_loaded?(Nx) do
 
       test "native: true runs graphs it cannot lower on the evaluator path and reports it" do
         {out, fallbacks} =
-          with_fallbacks(fn -> ejit(&grow/1, native: true).(Nx.tensor([1.0])) end)
+          with_fallbacks(fn -> ejit(&grow_if_positive/1, native: true).(Nx.tensor([1.0])) end)
 
         assert Nx.to_flat_list(out) == [127.0]
         assert [%{reason: {:while, :condition_reads_input}}] = fallbacks

@@ -28,11 +28,17 @@ if Code.ensure_loaded?(Nx) do
       acc
     end
 
-    # A `while` whose condition reads the input: what the native path cannot lower.
+    # A `while` whose condition reads the input: the native path runs it on the host.
     defn grow(x) do
       while acc = x, Nx.all(acc < 100) do
         acc * 2 + 1
       end
+    end
+
+    # The same loop in a branch: what the native path does not lower (the branch not
+    # taken would run it too).
+    defn grow_if_positive(x) do
+      if Nx.sum(x) > 0, do: grow(x), else: x
     end
   end
 end

@@ -24,23 +24,63 @@ if Code.ensure_loaded?(Nx) do
     alias Emily.Compiler.Native.Ops
 
     @doc false
-    # Lowers `fun.(vars)`. Returns `{program, extras, output, checks}`: extras are the
-    # Emily tensors passed after the parameters (the captured tensors, copied to
-    # `device`, then the folded constants; see `fold_constants/2`), output
-    # the result container of templates, checks the `{op, template}` of each result
-    # whose count of non-finite values the program returns after the outputs (under
+    # Lowers `fun.(vars)`. Returns `{plan, output, checks}`: the plan runs with `run/3`,
+    # output is the result container of templates, checks the `{op, template}` of each
+    # result whose count of non-finite values the plan returns after the outputs (under
     # :debug_detect_nan_inf; see `check_finite!/2`). Throws `{:unsupported, reason}`.
     def lower(vars, fun, opts) do
-      %{instrs: instrs, inputs: inputs, outputs: outputs} = lowered = lowering(vars, fun, opts)
+      {plan, lowered} = plan(vars, fun.(vars), opts, [])
+      {plan, lowered.template, lowered.checks}
+    end
+
+    @doc false
+    # Runs a plan on `inputs` (the parameters' arrays) on `stream`: its outputs.
+    def run({:program, program, extras}, inputs, stream),
+      do: Emily.Program.eval(program, inputs ++ extras, stream: stream)
+
+    def run({:loop, initial, condition, body, rest}, inputs, stream) do
+      state = run(initial, inputs, stream)
+      run(rest, inputs ++ repeat(condition, body, state, stream), stream)
+    end
+
+    defp repeat(condition, body, state, stream) do
+      [pred] = run(condition, state, stream)
+
+      if Emily.to_list(pred) == [0],
+        do: state,
+        else: repeat(condition, body, run(body, state, stream), stream)
+    end
+
+    # The plan for `result` (traced from `vars`): `{:program, program, extras}` (extras
+    # are the Emily tensors passed after the inputs: the captured tensors, copied to the
+    # device, then the folded constants; see `fold_constants/2`), or, around a `while`
+    # whose condition reads an input, `{:loop, initial, condition, body, rest}`: the
+    # plans of the loop's initial state, of its condition and of its body (each over the
+    # loop's state), and of the graph with the loop's results as more inputs. `loops`
+    # are the loops whose results are such inputs already, in order, after the
+    # parameters. The loop runs on the host (`run/3`): each pass one program for the
+    # condition, whose value is read, and one for the body.
+    defp plan(vars, result, opts, loops) do
+      lowered = lowering(vars, result, Keyword.put(opts, :loops, loops))
 
       program =
-        Emily.Program.new(instrs,
-          inputs: inputs,
-          outputs: outputs,
+        Emily.Program.new(lowered.instrs,
+          inputs: lowered.inputs,
+          outputs: lowered.outputs,
           compile: Keyword.get(opts, :compile, false)
         )
 
-      {program, lowered.extras, lowered.template, lowered.checks}
+      {{:program, program, lowered.extras}, lowered}
+    catch
+      {:dynamic_while, %T{data: %Expr{args: [initial, arg, condition, body]}} = loop} ->
+        if Emily.Debug.detect_nan_inf?(),
+          do: throw({:unsupported, {:while, :debug_detect_nan_inf}})
+
+        {initial, _} = plan(vars, initial, opts, loops)
+        {condition, _} = plan([arg], condition, opts, [])
+        {body, _} = plan([arg], body, opts, [])
+        {rest, lowered} = plan(vars, result, opts, loops ++ [loop])
+        {{:loop, initial, condition, body, rest}, lowered}
     end
 
     @doc false
@@ -88,24 +128,33 @@ if Code.ensure_loaded?(Nx) do
     # The lowering itself, before `Emily.Program.new/2`: `{instructions, inputs,
     # outputs, extras, template}` (bench/defn.exs hands it to its Python twin).
     def instructions(vars, fun, opts) do
-      l = lowering(vars, fun, opts)
+      l = lowering(vars, fun.(vars), opts)
       {l.instrs, l.inputs, l.outputs, l.extras, l.template}
     end
 
-    defp lowering(vars, fun, opts) do
+    # `result` (traced from `vars`) lowered into one program's instructions. Its inputs:
+    # the parameters, the results of `opts[:loops]` (see plan/4), the captured tensors,
+    # then the folded constants.
+    defp lowering(vars, result, opts) do
       device = Keyword.fetch!(opts, :device)
       flat_vars = Composite.flatten_list(vars)
 
       if Enum.any?(flat_vars, &(&1.vectorized_axes != [])),
         do: throw({:unsupported, :vectorized})
 
-      result = fun.(vars)
       outputs = Composite.flatten_list([result])
 
       if Enum.any?(outputs, &(not match?(%T{data: %Expr{}}, &1) or &1.vectorized_axes != [])),
         do: throw({:unsupported, :vectorized})
 
-      params = length(flat_vars)
+      {loops, params} =
+        opts
+        |> Keyword.get(:loops, [])
+        |> Enum.map_reduce(length(flat_vars), fn %T{data: %Expr{id: id, args: [init | _]}}, n ->
+          size = length(flat(init))
+          {{id, Enum.to_list(n..(n + size - 1))}, n + size}
+        end)
+
       known = MapSet.new(flat_vars, & &1.data.id)
       {_seen, tensors, defaults, _known} = collect(outputs, {%{}, [], %{}, known})
       tensors = Enum.reverse(tensors)
@@ -120,7 +169,8 @@ if Code.ensure_loaded?(Nx) do
         device: device,
         checks: [],
         defaults: defaults,
-        whiles: %{},
+        whiles: Map.new(loops),
+        nested: 0,
         instr_at: %{},
         const: MapSet.new(),
         values: %{}

@@ -20,13 +20,13 @@ if Code.ensure_loaded?(Nx) do
     # implementation (Nx's own, built of other ops), as Emily.Backend runs it.
     def lower_op(:block, [_block, _in_args, %T{}, _fun], t, st) do
       {default, st} = block_default(t, st)
-      lower_node(default, st)
+      nested(st, &lower_node(default, &1))
     end
 
     # An element of a block's tuple result: that element of its default.
     def lower_op(:elem, [%T{data: %Expr{op: :block}} = block, i], _t, st) do
       {default, st} = block_default(block, st)
-      lower_node(elem(default, i), st)
+      nested(st, &lower_node(elem(default, i), &1))
     end
 
     def lower_op(:while, _args, t, st) do
@@ -59,26 +59,26 @@ if Code.ensure_loaded?(Nx) do
     # elements, Nx.Random's rounds) runs a number of times known here: it is unrolled,
     # its condition computed before each pass, now, from the constants it is made of.
     # The final state's slots, once per node (and per pass of an enclosing loop).
-    defp unrolled(%T{data: %Expr{id: id, args: [initial, arg, condition, body]}}, st) do
+    defp unrolled(%T{data: %Expr{id: id, args: [initial, arg, condition, body]}} = loop, st) do
       case st.whiles do
         %{^id => slots} ->
           {slots, st}
 
         _ ->
           {state, st} = Enum.map_reduce(flat(initial), st, &lower_node/2)
-          {state, st} = unroll(flat(arg), condition, flat(body), state, st, 0)
+          {state, st} = unroll(loop, flat(arg), condition, flat(body), state, st, 0)
           {state, %{st | whiles: Map.put(st.whiles, id, state)}}
       end
     end
 
-    defp unroll(params, condition, body, state, st, passes) do
+    defp unroll(loop, params, condition, body, state, st, passes) do
       # What is lowered for one pass (its nodes, inner loops) holds for that pass only.
-      outer = Map.take(st, [:memo, :whiles])
+      outer = Map.take(st, [:memo, :whiles, :nested])
       bound = Enum.zip(params, state) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
-      {pred, st} = lower_node(condition, %{st | memo: Map.merge(st.memo, bound)})
+      st = %{st | memo: Map.merge(st.memo, bound), nested: st.nested + 1}
+      {pred, st} = lower_node(condition, st)
 
-      if not MapSet.member?(st.const, pred),
-        do: throw({:unsupported, {:while, :condition_reads_input}})
+      if not MapSet.member?(st.const, pred), do: dynamic_while(loop, outer.nested)
 
       {value, st} = constant_value(pred, st)
 
@@ -91,9 +91,17 @@ if Code.ensure_loaded?(Nx) do
 
         true ->
           {state, st} = Enum.map_reduce(body, st, &lower_node/2)
-          unroll(params, condition, body, state, Map.merge(st, outer), passes + 1)
+          unroll(loop, params, condition, body, state, Map.merge(st, outer), passes + 1)
       end
     end
+
+    # A loop whose condition reads an input runs on the host (Emily.Compiler.Native's
+    # plan/4), where it is outside other loops, conditionals and blocks; inside, its
+    # initial state could read what only they bind, or a branch not taken could run it.
+    defp dynamic_while(loop, 0), do: throw({:dynamic_while, loop})
+
+    defp dynamic_while(_loop, _nested),
+      do: throw({:unsupported, {:while, :condition_reads_input}})
 
     # A `cond`'s results: a clause whose predicate is computed from constants alone is
     # decided now; otherwise its branch and what follows are both computed and the
@@ -117,12 +125,23 @@ if Code.ensure_loaded?(Nx) do
           do: throw({:unsupported, {:cond, :debug_detect_nan_inf}})
 
         {p, st} = operand(pred, :bool, st)
-        {taken, st} = Enum.map_reduce(flat(branch), st, &lower_node/2)
-        {other, st} = chosen(rest, last, st)
+
+        {{taken, other}, st} =
+          nested(st, fn st ->
+            {taken, st} = Enum.map_reduce(flat(branch), st, &lower_node/2)
+            {other, st} = chosen(rest, last, st)
+            {{taken, other}, st}
+          end)
 
         Enum.zip(taken, other)
         |> Enum.map_reduce(st, fn {a, b}, st -> emit(st, :where, [p, a, b]) end)
       end
+    end
+
+    # `fun.(st)` one level inside a loop, a conditional or a block (see dynamic_while/2).
+    defp nested(st, fun) do
+      {result, inner} = fun.(%{st | nested: st.nested + 1})
+      {result, %{inner | nested: st.nested}}
     end
 
     # The default Nx traced for the block node `block`, its parameters (see collect/2)
