@@ -48,15 +48,19 @@ if Code.ensure_loaded?(Nx) do
         several programs: the loop's initial state, its condition, its body, and the
         rest of the graph with the loop's results as inputs; each pass runs the
         condition's program, reads its value, then runs the body's;
+      * `io_call` (hooks, `print_value`, `Nx.Serving`'s streaming) and `runtime_call`,
+        outside conditionals, blocks and unrolled loops (in a loop that runs on the
+        host, on each pass): the call runs on the host between the program that
+        computes its data and the program of the rest;
       * `cond` (and `if`): a clause whose predicate reads no input is decided when the
         graph is lowered; otherwise every branch is computed and the results
         selected, so an untaken branch costs its time (not under
         `:debug_detect_nan_inf`, whose checks would see it).
 
-    A graph with anything else (hooks, tokens, a `while` whose condition reads an input
-    inside a loop, a conditional or a block, `reduce` and `window_reduce` with a
-    function, FFTs, other complex and linear algebra ops, other types, vectorized
-    tensors) runs whole on the evaluator path and emits
+    A graph with anything else (a hook, a runtime call, or a `while` whose condition
+    reads an input, inside a conditional, a block or an unrolled loop; `reduce` and
+    `window_reduce` with a function, FFTs, other complex and linear algebra ops, other
+    types, vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...); the graph
     is not lowered again.

@@ -31,6 +31,15 @@ if Code.ensure_loaded?(Nx) do
 
     defn(printed(x), do: x |> Nx.add(1) |> print_value(label: "value") |> Nx.multiply(3))
 
+    # Doubles until above 10, reporting each pass's value.
+    defn stepped(x) do
+      while x, x < 10 do
+        io_call(x * 2, :step)
+      end
+    end
+
+    defn(doubled_if_positive(x), do: if(Nx.sum(x) > 0, do: doubled(x), else: x))
+
     defn counted(x, opts \\ []) do
       opts = keyword!(opts, [:pid])
       y = x + 1
@@ -175,37 +184,77 @@ if Code.ensure_loaded?(Nx) do
     end
 
     describe "io_calls, print_value and runtime_call" do
+      # On the evaluator path and on the native path (where the call runs on the host,
+      # between the programs before and after it).
+      defp both_paths(fun) do
+        for native <- [false, true] do
+          {out, fallbacks} = with_fallbacks(fn -> fun.(native: native) end)
+          assert fallbacks == []
+          out
+        end
+      end
+
       test "named io_calls run the :hooks given at jit time" do
         pid = self()
         x = Nx.tensor([1.0, 2.0], backend: Nx.BinaryBackend)
-        out = ejit(&doubled/1, hooks: %{double: &send(pid, {:double, &1})}).(x)
-        assert Nx.to_flat_list(out) == [3.0, 5.0]
-        assert_receive {:double, doubled}
-        assert %Emily.Backend{} = doubled.data
-        assert Nx.to_flat_list(doubled) == [2.0, 4.0]
 
-        # Without a hook the io_call is a no-op.
-        assert Nx.to_flat_list(ejit(&doubled/1).(x)) == [3.0, 5.0]
-        refute_receive {:double, _}
+        both_paths(fn opts ->
+          out = ejit(&doubled/1, [hooks: %{double: &send(pid, {:double, &1})}] ++ opts).(x)
+          assert Nx.to_flat_list(out) == [3.0, 5.0]
+          assert_receive {:double, doubled}
+          assert %Emily.Backend{} = doubled.data
+          assert Nx.to_flat_list(doubled) == [2.0, 4.0]
+
+          # Without a hook the io_call is a no-op.
+          assert Nx.to_flat_list(ejit(&doubled/1, opts).(x)) == [3.0, 5.0]
+          refute_receive {:double, _}
+        end)
       end
 
       test "print_value prints the value" do
-        out =
-          ExUnit.CaptureIO.capture_io(fn ->
-            assert Nx.to_flat_list(ejit(&printed/1).(Nx.tensor([1, 2]))) == [6, 9]
-          end)
+        both_paths(fn opts ->
+          out =
+            ExUnit.CaptureIO.capture_io(fn ->
+              assert Nx.to_flat_list(ejit(&printed/1, opts).(Nx.tensor([1, 2]))) == [6, 9]
+            end)
 
-        assert out =~ "value"
-        assert out =~ "[2, 3]"
+          assert out =~ "value"
+          assert out =~ "[2, 3]"
+        end)
       end
 
       test "runtime_call calls back into Elixir with Emily tensors" do
         pid = self()
-        out = ejit(&counted(&1, pid: pid)).(Nx.tensor([1, 2, 3]))
-        assert Nx.to_flat_list(out) == [4, 6, 8]
-        assert_receive {:runtime_call, t}
-        assert %Emily.Backend{} = t.data
-        assert Nx.to_flat_list(t) == [2, 3, 4]
+
+        both_paths(fn opts ->
+          out = ejit(&counted(&1, pid: pid), opts).(Nx.tensor([1, 2, 3]))
+          assert Nx.to_flat_list(out) == [4, 6, 8]
+          assert_receive {:runtime_call, t}
+          assert %Emily.Backend{} = t.data
+          assert Nx.to_flat_list(t) == [2, 3, 4]
+        end)
+      end
+
+      test "an io_call in a loop runs on every pass, on the native path too" do
+        pid = self()
+        hooks = %{step: &send(pid, {:step, Nx.to_number(&1)})}
+
+        both_paths(fn opts ->
+          out = ejit(&stepped/1, [hooks: hooks] ++ opts).(Nx.tensor(1.0))
+          assert Nx.to_number(out) == 16.0
+          for v <- [2.0, 4.0, 8.0, 16.0], do: assert_receive({:step, ^v})
+          refute_receive {:step, _}
+        end)
+      end
+
+      test "on the native path, an io_call in a branch falls back with its reason" do
+        pid = self()
+        hooks = %{double: &send(pid, {:double, &1})}
+        jit = ejit(&doubled_if_positive/1, hooks: hooks, native: true)
+        {out, fallbacks} = with_fallbacks(fn -> jit.(Nx.tensor([1.0])) end)
+        assert [%{reason: {:op, :io_call}}] = fallbacks
+        assert Nx.to_flat_list(out) == [3.0]
+        assert_receive {:double, _}
       end
     end
 

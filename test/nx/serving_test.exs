@@ -100,19 +100,21 @@ if Code.ensure_loaded?(Nx) do
       assert out1.data.stream != out2.data.stream
     end
 
-    test "streaming with io_call hooks" do
-      serving =
-        Nx.Serving.jit(&staged/1, compiler: Emily.Compiler)
-        |> Nx.Serving.streaming(hooks: [:double, :plus_ten])
+    test "streaming with io_call hooks, on the evaluator path and on the native path" do
+      for native <- [false, true] do
+        serving =
+          Nx.Serving.jit(&staged/1, compiler: Emily.Compiler, native: native)
+          |> Nx.Serving.streaming(hooks: [:double, :plus_ten])
 
-      batch = Nx.Batch.stack([Nx.tensor([1, 2, 3]), Nx.tensor([4, 5, 6])])
+        batch = Nx.Batch.stack([Nx.tensor([1, 2, 3]), Nx.tensor([4, 5, 6])])
 
-      assert [{:double, d}, {:plus_ten, p}, {:batch, b, :server_info}] =
-               serving |> Nx.Serving.run(batch) |> Enum.to_list()
+        assert [{:double, d}, {:plus_ten, p}, {:batch, b, :server_info}] =
+                 serving |> Nx.Serving.run(batch) |> Enum.to_list()
 
-      assert Nx.to_flat_list(d) == [2, 4, 6, 8, 10, 12]
-      assert Nx.to_flat_list(p) == [12, 14, 16, 18, 20, 22]
-      assert Nx.to_flat_list(b) == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+        assert Nx.to_flat_list(d) == [2, 4, 6, 8, 10, 12]
+        assert Nx.to_flat_list(p) == [12, 14, 16, 18, 20, 22]
+        assert Nx.to_flat_list(b) == [6.0, 7.0, 8.0, 9.0, 10.0, 11.0]
+      end
     end
 
     test "batched_run streaming", config do

@@ -43,6 +43,11 @@ if Code.ensure_loaded?(Nx) do
       run(rest, inputs ++ repeat(condition, body, state, stream), stream)
     end
 
+    def run({:call, data, call, rest}, inputs, stream) do
+      results = call.(run(data, inputs, stream), stream)
+      run(rest, inputs ++ results, stream)
+    end
+
     defp repeat(condition, body, state, stream) do
       [pred] = run(condition, state, stream)
 
@@ -53,15 +58,13 @@ if Code.ensure_loaded?(Nx) do
 
     # The plan for `result` (traced from `vars`): `{:program, program, extras}` (extras
     # are the Emily tensors passed after the inputs: the captured tensors, copied to the
-    # device, then the folded constants; see `fold_constants/2`), or, around a `while`
-    # whose condition reads an input, `{:loop, initial, condition, body, rest}`: the
-    # plans of the loop's initial state, of its condition and of its body (each over the
-    # loop's state), and of the graph with the loop's results as more inputs. `loops`
-    # are the loops whose results are such inputs already, in order, after the
-    # parameters. The loop runs on the host (`run/3`): each pass one program for the
-    # condition, whose value is read, and one for the body.
-    defp plan(vars, result, opts, loops) do
-      lowered = lowering(vars, result, Keyword.put(opts, :loops, loops))
+    # device, then the folded constants; see `fold_constants/2`), or, around what runs
+    # on the host (see host/5), the plan of what it reads, the host's step, and the plan
+    # of the graph with the step's results as more inputs. `hosted` are the host steps
+    # whose results are such inputs already, in order, after the parameters:
+    # `{node, number of results}`.
+    defp plan(vars, result, opts, hosted) do
+      lowered = lowering(vars, result, Keyword.put(opts, :hosted, hosted))
 
       program =
         Emily.Program.new(lowered.instrs,
@@ -72,15 +75,115 @@ if Code.ensure_loaded?(Nx) do
 
       {{:program, program, lowered.extras}, lowered}
     catch
-      {:dynamic_while, %T{data: %Expr{args: [initial, arg, condition, body]}} = loop} ->
+      {:host, node} ->
         if Emily.Debug.detect_nan_inf?(),
-          do: throw({:unsupported, {:while, :debug_detect_nan_inf}})
+          do: throw({:unsupported, {node.data.op, :debug_detect_nan_inf}})
 
-        {initial, _} = plan(vars, initial, opts, loops)
-        {condition, _} = plan([arg], condition, opts, [])
-        {body, _} = plan([arg], body, opts, [])
-        {rest, lowered} = plan(vars, result, opts, loops ++ [loop])
-        {{:loop, initial, condition, body, rest}, lowered}
+        host(node, vars, result, opts, hosted)
+    end
+
+    # A `while` whose condition reads an input: `{:loop, initial, condition, body, rest}`,
+    # the plans of its initial state, of its condition and of its body (both over its
+    # state), and of the rest. Each pass runs the condition's program, reads its value,
+    # then runs the body's.
+    defp host(
+           %T{data: %Expr{op: :while, args: [initial, arg, condition, body]}} = loop,
+           vars,
+           result,
+           opts,
+           hosted
+         ) do
+      {initial_plan, _} = plan(vars, initial, opts, hosted)
+      {condition, _} = plan([arg], condition, opts, [])
+      {body, _} = plan([arg], body, opts, [])
+      hosted = hosted ++ [{loop, length(flat(initial))}]
+      {rest, lowered} = plan(vars, result, opts, hosted)
+      {{:loop, initial_plan, condition, body, rest}, lowered}
+    end
+
+    # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): `{:call, data, call,
+    # rest}`: the plan of the data, the host's call of the callback (the `:hooks` given
+    # for its name, else its own) with the data as Nx tensors, and the plan of the rest,
+    # which reads the data.
+    defp host(
+           %T{data: %Expr{op: :io_call, args: [data, spec, template, _ref]}} = call,
+           vars,
+           result,
+           opts,
+           hosted
+         ) do
+      callback =
+        case spec do
+          {:fn, fun} -> fun
+          {:named, name, fun} -> Map.get(opts[:hooks] || %{}, name) || fun
+        end
+
+      step = fn refs, stream ->
+        if callback, do: callback.(tensors(template, refs, stream))
+        refs
+      end
+
+      hosted_call(
+        call,
+        data,
+        step,
+        length(Composite.flatten_list([data])),
+        vars,
+        result,
+        opts,
+        hosted
+      )
+    end
+
+    # A `runtime_call`: its function called on the host with the data as Nx tensors;
+    # its results (copied to the stream's device) are the rest's inputs.
+    defp host(
+           %T{data: %Expr{op: :runtime_call, args: [data, fun, template, call_opts]}} = call,
+           vars,
+           result,
+           opts,
+           hosted
+         ) do
+      step = fn refs, stream ->
+        out = fun.(tensors(data, refs, stream), call_opts)
+
+        if not Nx.compatible?(template, out),
+          do: raise("expected the runtime_call function to match the given output template")
+
+        device = Emily.Stream.device(stream)
+
+        for t <- Composite.flatten_list([out]) do
+          Nx.backend_copy(t, {Emily.Backend, device: device}).data.ref
+        end
+      end
+
+      hosted_call(
+        call,
+        data,
+        step,
+        length(Composite.flatten_list([template])),
+        vars,
+        result,
+        opts,
+        hosted
+      )
+    end
+
+    defp hosted_call(call, data, step, results, vars, result, opts, hosted) do
+      {data, _} = plan(vars, data, opts, hosted)
+      {rest, lowered} = plan(vars, result, opts, hosted ++ [{call, results}])
+      {{:call, data, step, rest}, lowered}
+    end
+
+    # `template`'s leaves as Emily tensors of `refs` on `stream`.
+    defp tensors(template, refs, stream) do
+      {container, []} =
+        Composite.traverse(template, refs, fn
+          %T{} = t, [ref | rest] -> {%{t | data: %Emily.Backend{ref: ref, stream: stream}}, rest}
+          other, refs -> {other, refs}
+        end)
+
+      container
     end
 
     @doc false
@@ -133,7 +236,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # `result` (traced from `vars`) lowered into one program's instructions. Its inputs:
-    # the parameters, the results of `opts[:loops]` (see plan/4), the captured tensors,
+    # the parameters, the results of `opts[:hosted]` (see plan/4), the captured tensors,
     # then the folded constants.
     defp lowering(vars, result, opts) do
       device = Keyword.fetch!(opts, :device)
@@ -147,12 +250,11 @@ if Code.ensure_loaded?(Nx) do
       if Enum.any?(outputs, &(not match?(%T{data: %Expr{}}, &1) or &1.vectorized_axes != [])),
         do: throw({:unsupported, :vectorized})
 
-      {loops, params} =
+      {hosted, params} =
         opts
-        |> Keyword.get(:loops, [])
-        |> Enum.map_reduce(length(flat_vars), fn %T{data: %Expr{id: id, args: [init | _]}}, n ->
-          size = length(flat(init))
-          {{id, Enum.to_list(n..(n + size - 1))}, n + size}
+        |> Keyword.get(:hosted, [])
+        |> Enum.map_reduce(length(flat_vars), fn {%T{data: %Expr{id: id}}, size}, n ->
+          {{id, Enum.to_list(n..(n + size - 1)//1)}, n + size}
         end)
 
       known = MapSet.new(flat_vars, & &1.data.id)
@@ -169,7 +271,7 @@ if Code.ensure_loaded?(Nx) do
         device: device,
         checks: [],
         defaults: defaults,
-        whiles: Map.new(loops),
+        results: Map.new(hosted),
         nested: 0,
         instr_at: %{},
         const: MapSet.new(),

@@ -15,6 +15,9 @@ if Code.ensure_loaded?(Nx) do
     # The most passes of a `while` the lowering unrolls.
     @max_passes 1024
 
+    # What calls an Elixir function on the host.
+    @calls [:io_call, :runtime_call]
+
     @doc false
     # A block without a kernel (see Emily.Compiler.Native.Ops): its default
     # implementation (Nx's own, built of other ops), as Emily.Backend runs it.
@@ -49,6 +52,22 @@ if Code.ensure_loaded?(Nx) do
       {Enum.at(slots, i), st}
     end
 
+    # What runs on the host (Emily.Compiler.Native's plan/4): a hook or a runtime_call,
+    # outside loops, conditionals and blocks.
+    def lower_op(op, _args, %T{data: %Expr{id: id}} = t, st) when op in @calls do
+      case st.results do
+        %{^id => [slot]} -> {slot, st}
+        _ -> host(t, st)
+      end
+    end
+
+    def lower_op(:elem, [%T{data: %Expr{id: id, op: op}} = call, i], _t, st) when op in @calls do
+      case st.results do
+        %{^id => slots} -> {Enum.at(slots, i), st}
+        _ -> host(call, st)
+      end
+    end
+
     # Otherwise a tuple's element comes from an op not lowered.
     def lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
       do: throw({:unsupported, {:op, op}})
@@ -60,20 +79,20 @@ if Code.ensure_loaded?(Nx) do
     # its condition computed before each pass, now, from the constants it is made of.
     # The final state's slots, once per node (and per pass of an enclosing loop).
     defp unrolled(%T{data: %Expr{id: id, args: [initial, arg, condition, body]}} = loop, st) do
-      case st.whiles do
+      case st.results do
         %{^id => slots} ->
           {slots, st}
 
         _ ->
           {state, st} = Enum.map_reduce(flat(initial), st, &lower_node/2)
           {state, st} = unroll(loop, flat(arg), condition, flat(body), state, st, 0)
-          {state, %{st | whiles: Map.put(st.whiles, id, state)}}
+          {state, %{st | results: Map.put(st.results, id, state)}}
       end
     end
 
     defp unroll(loop, params, condition, body, state, st, passes) do
       # What is lowered for one pass (its nodes, inner loops) holds for that pass only.
-      outer = Map.take(st, [:memo, :whiles, :nested])
+      outer = Map.take(st, [:memo, :results, :nested])
       bound = Enum.zip(params, state) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
       st = %{st | memo: Map.merge(st.memo, bound), nested: st.nested + 1}
       {pred, st} = lower_node(condition, st)
@@ -98,10 +117,14 @@ if Code.ensure_loaded?(Nx) do
     # A loop whose condition reads an input runs on the host (Emily.Compiler.Native's
     # plan/4), where it is outside other loops, conditionals and blocks; inside, its
     # initial state could read what only they bind, or a branch not taken could run it.
-    defp dynamic_while(loop, 0), do: throw({:dynamic_while, loop})
+    defp dynamic_while(loop, 0), do: throw({:host, loop})
 
     defp dynamic_while(_loop, _nested),
       do: throw({:unsupported, {:while, :condition_reads_input}})
+
+    # The same for hooks and runtime calls.
+    defp host(%T{} = t, %{nested: 0}), do: throw({:host, t})
+    defp host(%T{data: %Expr{op: op}}, _st), do: throw({:unsupported, {:op, op}})
 
     # A `cond`'s results: a clause whose predicate is computed from constants alone is
     # decided now; otherwise its branch and what follows are both computed and the

@@ -480,8 +480,9 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    def lower_op(op, args, t, st) when op in [:block, :while, :cond, :elem],
-      do: Control.lower_op(op, args, t, st)
+    def lower_op(op, args, t, st)
+        when op in [:block, :while, :cond, :elem, :io_call, :runtime_call],
+        do: Control.lower_op(op, args, t, st)
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
