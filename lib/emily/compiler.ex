@@ -235,7 +235,7 @@ if Code.ensure_loaded?(Nx) do
             else: Emily.Stream.current()
           )
 
-      refs = Native.run(plan, Enum.map(args, &native_input(&1.(), s)), s)
+      refs = Native.Plan.run(plan, Enum.map(args, &native_input(&1.(), s)), s)
 
       refs =
         case checks do

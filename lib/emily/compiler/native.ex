@@ -3,8 +3,9 @@ if Code.ensure_loaded?(Nx) do
     @moduledoc false
     # The native path of Emily.Compiler: an `Nx.Defn.Expr` graph lowered once into one
     # `Emily.Program` (instructions over the op table), replayed per run in one native
-    # call. `lower/3` throws `{:unsupported, reason}` on anything outside the subset it
-    # knows; the compiler then runs the whole graph on the evaluator path.
+    # call (or a few, around what runs on the host: Emily.Compiler.Native.Plan).
+    # `lower/3` throws `{:unsupported, reason}` on anything outside what it knows; the
+    # compiler then runs the whole graph on the evaluator path.
     #
     # Each node is lowered with the same casts Emily.Backend applies eagerly (operands
     # cast to the node's type, comparisons in the merged type then cast to u8), so both
@@ -15,175 +16,24 @@ if Code.ensure_loaded?(Nx) do
     # ops, `x - mean` written twice, broadcasts of one constant) reuse the first slot.
     #
     # This module holds the walk (`lower_node/2`, the lowering state, emitting, folding
-    # constants); Emily.Compiler.Native.Ops lowers each op, Emily.Compiler.Native.Control
-    # loops, conditionals and blocks' defaults.
+    # constants); Native.Ops lowers each op, Native.Control loops, conditionals, blocks'
+    # defaults and the calls into Elixir, Native.Plan splits a graph around what runs on
+    # the host.
 
     alias Nx.Defn.{Composite, Expr}
     alias Nx.Tensor, as: T
     alias Emily.Backend.Storage
-    alias Emily.Compiler.Native.Ops
+    alias Emily.Compiler.Native.{Ops, Plan}
 
     @doc false
-    # Lowers `fun.(vars)`. Returns `{plan, output, checks}`: the plan runs with `run/3`,
-    # output is the result container of templates, checks the `{op, template}` of each
-    # result whose count of non-finite values the plan returns after the outputs (under
-    # :debug_detect_nan_inf; see `check_finite!/2`). Throws `{:unsupported, reason}`.
+    # Lowers `fun.(vars)`. Returns `{plan, output, checks}`: the plan (Native.Plan) runs
+    # with `Native.Plan.run/3`, output is the result container of templates, checks the
+    # `{op, template}` of each result whose count of non-finite values the plan returns
+    # after the outputs (under :debug_detect_nan_inf; see `check_finite!/2`). Throws
+    # `{:unsupported, reason}`.
     def lower(vars, fun, opts) do
-      {plan, lowered} = plan(vars, fun.(vars), opts, [])
+      {plan, lowered} = Plan.plan(vars, fun.(vars), opts, [])
       {plan, lowered.template, lowered.checks}
-    end
-
-    @doc false
-    # Runs a plan on `inputs` (the parameters' arrays) on `stream`: its outputs.
-    def run({:program, program, extras}, inputs, stream),
-      do: Emily.Program.eval(program, inputs ++ extras, stream: stream)
-
-    def run({:loop, initial, condition, body, rest}, inputs, stream) do
-      state = run(initial, inputs, stream)
-      run(rest, inputs ++ repeat(condition, body, state, stream), stream)
-    end
-
-    def run({:call, data, call, rest}, inputs, stream) do
-      results = call.(run(data, inputs, stream), stream)
-      run(rest, inputs ++ results, stream)
-    end
-
-    defp repeat(condition, body, state, stream) do
-      [pred] = run(condition, state, stream)
-
-      if Emily.to_list(pred) == [0],
-        do: state,
-        else: repeat(condition, body, run(body, state, stream), stream)
-    end
-
-    # The plan for `result` (traced from `vars`): `{:program, program, extras}` (extras
-    # are the Emily tensors passed after the inputs: the captured tensors, copied to the
-    # device, then the folded constants; see `fold_constants/2`), or, around what runs
-    # on the host (see host/5), the plan of what it reads, the host's step, and the plan
-    # of the graph with the step's results as more inputs. `hosted` are the host steps
-    # whose results are such inputs already, in order, after the parameters:
-    # `{node, number of results}`.
-    defp plan(vars, result, opts, hosted) do
-      lowered = lowering(vars, result, Keyword.put(opts, :hosted, hosted))
-
-      program =
-        Emily.Program.new(lowered.instrs,
-          inputs: lowered.inputs,
-          outputs: lowered.outputs,
-          compile: Keyword.get(opts, :compile, false)
-        )
-
-      {{:program, program, lowered.extras}, lowered}
-    catch
-      {:host, node} ->
-        if Emily.Debug.detect_nan_inf?(),
-          do: throw({:unsupported, {node.data.op, :debug_detect_nan_inf}})
-
-        host(node, vars, result, opts, hosted)
-    end
-
-    # A `while` whose condition reads an input: `{:loop, initial, condition, body, rest}`,
-    # the plans of its initial state, of its condition and of its body (both over its
-    # state), and of the rest. Each pass runs the condition's program, reads its value,
-    # then runs the body's.
-    defp host(
-           %T{data: %Expr{op: :while, args: [initial, arg, condition, body]}} = loop,
-           vars,
-           result,
-           opts,
-           hosted
-         ) do
-      {initial_plan, _} = plan(vars, initial, opts, hosted)
-      {condition, _} = plan([arg], condition, opts, [])
-      {body, _} = plan([arg], body, opts, [])
-      hosted = hosted ++ [{loop, length(flat(initial))}]
-      {rest, lowered} = plan(vars, result, opts, hosted)
-      {{:loop, initial_plan, condition, body, rest}, lowered}
-    end
-
-    # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): `{:call, data, call,
-    # rest}`: the plan of the data, the host's call of the callback (the `:hooks` given
-    # for its name, else its own) with the data as Nx tensors, and the plan of the rest,
-    # which reads the data.
-    defp host(
-           %T{data: %Expr{op: :io_call, args: [data, spec, template, _ref]}} = call,
-           vars,
-           result,
-           opts,
-           hosted
-         ) do
-      callback =
-        case spec do
-          {:fn, fun} -> fun
-          {:named, name, fun} -> Map.get(opts[:hooks] || %{}, name) || fun
-        end
-
-      step = fn refs, stream ->
-        if callback, do: callback.(tensors(template, refs, stream))
-        refs
-      end
-
-      hosted_call(
-        call,
-        data,
-        step,
-        length(Composite.flatten_list([data])),
-        vars,
-        result,
-        opts,
-        hosted
-      )
-    end
-
-    # A `runtime_call`: its function called on the host with the data as Nx tensors;
-    # its results (copied to the stream's device) are the rest's inputs.
-    defp host(
-           %T{data: %Expr{op: :runtime_call, args: [data, fun, template, call_opts]}} = call,
-           vars,
-           result,
-           opts,
-           hosted
-         ) do
-      step = fn refs, stream ->
-        out = fun.(tensors(data, refs, stream), call_opts)
-
-        if not Nx.compatible?(template, out),
-          do: raise("expected the runtime_call function to match the given output template")
-
-        device = Emily.Stream.device(stream)
-
-        for t <- Composite.flatten_list([out]) do
-          Nx.backend_copy(t, {Emily.Backend, device: device}).data.ref
-        end
-      end
-
-      hosted_call(
-        call,
-        data,
-        step,
-        length(Composite.flatten_list([template])),
-        vars,
-        result,
-        opts,
-        hosted
-      )
-    end
-
-    defp hosted_call(call, data, step, results, vars, result, opts, hosted) do
-      {data, _} = plan(vars, data, opts, hosted)
-      {rest, lowered} = plan(vars, result, opts, hosted ++ [{call, results}])
-      {{:call, data, step, rest}, lowered}
-    end
-
-    # `template`'s leaves as Emily tensors of `refs` on `stream`.
-    defp tensors(template, refs, stream) do
-      {container, []} =
-        Composite.traverse(template, refs, fn
-          %T{} = t, [ref | rest] -> {%{t | data: %Emily.Backend{ref: ref, stream: stream}}, rest}
-          other, refs -> {other, refs}
-        end)
-
-      container
     end
 
     @doc false
@@ -235,10 +85,11 @@ if Code.ensure_loaded?(Nx) do
       {l.instrs, l.inputs, l.outputs, l.extras, l.template}
     end
 
+    @doc false
     # `result` (traced from `vars`) lowered into one program's instructions. Its inputs:
-    # the parameters, the results of `opts[:hosted]` (see plan/4), the captured tensors,
-    # then the folded constants.
-    defp lowering(vars, result, opts) do
+    # the parameters, the results of `opts[:hosted]` (see Native.Plan), the captured
+    # tensors, then the folded constants.
+    def lowering(vars, result, opts) do
       device = Keyword.fetch!(opts, :device)
       flat_vars = Composite.flatten_list(vars)
 

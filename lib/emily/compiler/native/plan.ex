@@ -1,0 +1,133 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Compiler.Native.Plan do
+    @moduledoc false
+    # The programs a graph lowers to (Emily.Compiler.Native) and what runs between them
+    # on the host: a `while` whose condition reads an input, and the calls into Elixir
+    # (`io_call`, `runtime_call`). Most graphs are one program.
+    #
+    # A plan is `{:program, program, extras}` (extras: the Emily tensors passed after
+    # the inputs, the captured tensors, then the folded constants), or, around a host
+    # step, the plan of what the step reads, the step, and the plan of the graph with
+    # the step's results as more inputs (`{:loop, ...}`, `{:call, ...}`).
+
+    alias Nx.Defn.{Composite, Expr}
+    alias Nx.Tensor, as: T
+
+    import Emily.Compiler.Native, only: [lowering: 3, flat: 1]
+
+    @doc false
+    # Runs `plan` on `inputs` (the parameters' arrays) on `stream`: its outputs.
+    def run({:program, program, extras}, inputs, stream),
+      do: Emily.Program.eval(program, inputs ++ extras, stream: stream)
+
+    def run({:loop, initial, condition, body, rest}, inputs, stream) do
+      state = run(initial, inputs, stream)
+      run(rest, inputs ++ repeat(condition, body, state, stream), stream)
+    end
+
+    def run({:call, data, call, rest}, inputs, stream) do
+      results = call.(run(data, inputs, stream), stream)
+      run(rest, inputs ++ results, stream)
+    end
+
+    defp repeat(condition, body, state, stream) do
+      [pred] = run(condition, state, stream)
+
+      if Emily.to_list(pred) == [0],
+        do: state,
+        else: repeat(condition, body, run(body, state, stream), stream)
+    end
+
+    @doc false
+    # The plan of `result` (traced from `vars`), and the lowering of its last program
+    # (template and checks). `hosted` are the host steps whose results are inputs
+    # already, in order, after the parameters: `{node, number of results}`.
+    def plan(vars, result, opts, hosted) do
+      lowered = lowering(vars, result, Keyword.put(opts, :hosted, hosted))
+
+      program =
+        Emily.Program.new(lowered.instrs,
+          inputs: lowered.inputs,
+          outputs: lowered.outputs,
+          compile: Keyword.get(opts, :compile, false)
+        )
+
+      {{:program, program, lowered.extras}, lowered}
+    catch
+      {:host, node} ->
+        if Emily.Debug.detect_nan_inf?(),
+          do: throw({:unsupported, {node.data.op, :debug_detect_nan_inf}})
+
+        host(node, %{vars: vars, result: result, opts: opts, hosted: hosted})
+    end
+
+    # A `while` whose condition reads an input: `{:loop, initial, condition, body,
+    # rest}`, the plans of its initial state, of its condition and of its body (both
+    # over its state), and of the rest. Each pass runs the condition's program, reads
+    # its value, then runs the body's.
+    defp host(%T{data: %Expr{op: :while, args: [initial, arg, condition, body]}} = loop, at) do
+      {initial_plan, _} = plan(at.vars, initial, at.opts, at.hosted)
+      {condition, _} = plan([arg], condition, at.opts, [])
+      {body, _} = plan([arg], body, at.opts, [])
+      hosted = at.hosted ++ [{loop, length(flat(initial))}]
+      {rest, lowered} = plan(at.vars, at.result, at.opts, hosted)
+      {{:loop, initial_plan, condition, body, rest}, lowered}
+    end
+
+    # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): its callback (the
+    # `:hooks` given for its name, else its own) called with the data as Nx tensors;
+    # the rest reads the data.
+    defp host(%T{data: %Expr{op: :io_call, args: [data, spec, template, _ref]}} = node, at) do
+      callback =
+        case spec do
+          {:fn, fun} -> fun
+          {:named, name, fun} -> Map.get(at.opts[:hooks] || %{}, name) || fun
+        end
+
+      call = fn refs, stream ->
+        if callback, do: callback.(tensors(template, refs, stream))
+        refs
+      end
+
+      call(node, data, call, length(Composite.flatten_list([data])), at)
+    end
+
+    # A `runtime_call`: its function called with the data as Nx tensors; its results
+    # (on the stream's device) are the rest's inputs.
+    defp host(%T{data: %Expr{op: :runtime_call, args: [data, fun, template, opts]}} = node, at) do
+      call = fn refs, stream ->
+        out = fun.(tensors(data, refs, stream), opts)
+
+        if not Nx.compatible?(template, out),
+          do: raise("expected the runtime_call function to match the given output template")
+
+        Enum.map(Composite.flatten_list([out]), &ref(&1, stream))
+      end
+
+      call(node, data, call, length(Composite.flatten_list([template])), at)
+    end
+
+    # `{:call, data, call, rest}`: the plan of the data, the call, the plan of the rest.
+    defp call(node, data, call, results, at) do
+      {data, _} = plan(at.vars, data, at.opts, at.hosted)
+      {rest, lowered} = plan(at.vars, at.result, at.opts, at.hosted ++ [{node, results}])
+      {{:call, data, call, rest}, lowered}
+    end
+
+    # `template`'s leaves as Emily tensors of `refs` on `stream`.
+    defp tensors(template, refs, stream) do
+      {container, []} =
+        Composite.traverse(template, refs, fn
+          %T{} = t, [ref | rest] -> {%{t | data: %Emily.Backend{ref: ref, stream: stream}}, rest}
+          other, refs -> {other, refs}
+        end)
+
+      container
+    end
+
+    defp ref(%T{data: %Emily.Backend{ref: ref}}, _stream), do: ref
+
+    defp ref(%T{} = t, stream),
+      do: Nx.backend_copy(t, {Emily.Backend, device: Emily.Stream.device(stream)}).data.ref
+  end
+end
