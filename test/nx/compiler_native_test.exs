@@ -74,7 +74,7 @@ if Code.ensure_loaded?(Nx) do
     defn windows(x, k, g) do
       {Nx.window_sum(x, {1, 1, 2, 2}, padding: :same),
        Nx.window_max(x, {1, 1, 2, 2}, strides: [1, 1, 2, 2]),
-       Nx.window_min(x, {1, 2, 2, 1}, padding: [{0, 0}, {0, 0}, {1, 0}, {0, 1}]),
+       Nx.window_min(x, {1, 2, 2, 1}, padding: [{0, 0}, {0, 0}, {1, 1}, {0, 0}]),
        Nx.window_product(x, {1, 1, 1, 2}, window_dilations: [1, 1, 2, 1]),
        Nx.conv(x, k, padding: :same), Nx.conv(x, g, strides: 2, feature_group_size: 2),
        Nx.pad(x, 0.5, [{0, 0, 0}, {0, 0, 0}, {1, -1, 1}, {2, 0, 0}]), Nx.eye(3) + x[0][0][0][0],
@@ -330,7 +330,9 @@ if Code.ensure_loaded?(Nx) do
     end
 
     test "erf_inv (Nx's formula on the CPU) and bitcast" do
-      x = Nx.tensor([-1.0, -0.999, -0.5, 0.0, 0.1, 0.7, 0.9999, 1.0])
+      # (erf_inv(±1) is infinite, which :debug_detect_nan_inf would report.)
+      edges = if Emily.Debug.detect_nan_inf?(), do: [], else: [-1.0, 1.0]
+      x = Nx.tensor(edges ++ [-0.999, -0.5, 0.0, 0.1, 0.7, 0.9999])
       check_paths(&inverses/2, [x, Nx.tensor([0, 1_065_353_216, -1_082_130_432], type: :s32)])
     end
 
@@ -508,7 +510,8 @@ if Code.ensure_loaded?(Nx) do
     test "such a while inside a branch falls back with telemetry and still computes" do
       x = Nx.tensor([1.0, 2.0])
       {out, fallbacks} = with_fallbacks(fn -> ejit(&grow_if_positive/1, native: true).(x) end)
-      assert [%{reason: {:while, :condition_reads_input}}] = fallbacks
+      assert [%{reason: reason}] = fallbacks
+      assert reason == {:while, :condition_reads_input} or debug_fallbacks?(fallbacks)
       assert Nx.to_flat_list(out) == [127.0, 191.0]
     end
 
