@@ -917,25 +917,8 @@ if Code.ensure_loaded?(Nx) do
       wrap(convolve(s, ref(t, s, type), ref(k, s, type), opts), out, s)
     end
 
-    defp convolve(s, x, w, opts) do
-      {lo, hi} = Enum.unzip(opts[:padding])
-
-      N.conv(
-        s,
-        x,
-        w,
-        opts[:strides],
-        lo,
-        hi,
-        opts[:input_dilation],
-        opts[:kernel_dilation],
-        opts[:feature_group_size],
-        opts[:batch_group_size],
-        opts[:input_permutation] || [],
-        opts[:kernel_permutation] || [],
-        opts[:output_permutation] || []
-      )
-    end
+    defp convolve(s, x, w, opts),
+      do: apply(N, :conv, [s, x, w | Emily.Backend.Ops.conv_args(opts)])
 
     ## Linear algebra (LAPACK through MLX)
     #

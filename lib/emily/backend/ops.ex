@@ -92,6 +92,19 @@ defmodule Emily.Backend.Ops do
   @doc "The coefficients of Nx's erf_inv: `{w < 5, w >= 5}`, highest power first."
   def erf_inv_coefficients, do: {@erf_inv_small, @erf_inv_large}
 
+  @doc """
+  The Native `conv` op's arguments after the input and the kernel, from Nx's `conv`
+  options (padding as `{lo, hi}` pairs).
+  """
+  def conv_args(opts) do
+    {lo, hi} = Enum.unzip(opts[:padding])
+
+    [opts[:strides], lo, hi, opts[:input_dilation], opts[:kernel_dilation]] ++
+      [opts[:feature_group_size], opts[:batch_group_size]] ++
+      [opts[:input_permutation] || [], opts[:kernel_permutation] || []] ++
+      [opts[:output_permutation] || []]
+  end
+
   @doc "argmax/argmin => `{Native op for tie_break: :low, for tie_break: :high}`."
   def arg_reduce, do: @arg_reduce
 

@@ -369,22 +369,7 @@ if Code.ensure_loaded?(Nx) do
     def lower_op(:conv, [x, kernel, opts], %T{type: type}, st) when elem(type, 0) != :c do
       {x, st} = operand(x, type, st)
       {w, st} = operand(kernel, type, st)
-      {lo, hi} = Enum.unzip(opts[:padding])
-
-      emit(st, :conv, [
-        x,
-        w,
-        opts[:strides],
-        lo,
-        hi,
-        opts[:input_dilation],
-        opts[:kernel_dilation],
-        opts[:feature_group_size],
-        opts[:batch_group_size],
-        opts[:input_permutation] || [],
-        opts[:kernel_permutation] || [],
-        opts[:output_permutation] || []
-      ])
+      emit(st, :conv, [x, w | Emily.Backend.Ops.conv_args(opts)])
     end
 
     def lower_op(op, [x, opts], %T{type: type}, st) when op in [:sort, :argsort] do
