@@ -3,8 +3,8 @@ if Code.ensure_loaded?(Nx) do
     @moduledoc false
     # The structure of an `Nx.Defn.Expr` graph, lowered to straight-line instructions
     # (see Emily.Compiler.Native): `while` loops unrolled, `cond` decided or selected,
-    # blocks without a kernel lowered as their default, and the elements of their
-    # tuple results.
+    # blocks without a kernel lowered as their default, the elements of their tuple
+    # results, and what must run on the host handed to Emily.Compiler.Native.Plan.
 
     alias Nx.Defn.Expr
     alias Nx.Tensor, as: T
@@ -52,8 +52,8 @@ if Code.ensure_loaded?(Nx) do
       {Enum.at(slots, i), st}
     end
 
-    # What runs on the host (Emily.Compiler.Native's plan/4): a hook or a runtime_call,
-    # outside loops, conditionals and blocks.
+    # What runs on the host (Emily.Compiler.Native.Plan): a hook or a runtime_call,
+    # outside unrolled loops, conditionals and blocks.
     def lower_op(op, _args, %T{data: %Expr{id: id}} = t, st) when op in @calls do
       case st.results do
         %{^id => [slot]} -> {slot, st}
@@ -114,9 +114,9 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # A loop whose condition reads an input runs on the host (Emily.Compiler.Native's
-    # plan/4), where it is outside other loops, conditionals and blocks; inside, its
-    # initial state could read what only they bind, or a branch not taken could run it.
+    # A loop whose condition reads an input runs on the host (Emily.Compiler.Native.Plan),
+    # where it is outside unrolled loops, conditionals and blocks; inside, its initial
+    # state could read what only they bind, or a branch not taken could run it.
     defp dynamic_while(loop, 0), do: throw({:host, loop})
 
     defp dynamic_while(_loop, _nested),
@@ -128,7 +128,7 @@ if Code.ensure_loaded?(Nx) do
 
     # A `cond`'s results: a clause whose predicate is computed from constants alone is
     # decided now; otherwise its branch and what follows are both computed and the
-    # results selected (`where`). Branches hold no side effects (hooks and tokens are
+    # results selected (`where`). Branches hold no side effects (a hook in a branch is
     # not lowered) and MLX's ops do not fail on values, so computing a branch not taken
     # changes nothing but the time; under :debug_detect_nan_inf, whose checks would see
     # it, such a `cond` is not lowered.
@@ -167,8 +167,9 @@ if Code.ensure_loaded?(Nx) do
       {result, %{inner | nested: st.nested}}
     end
 
-    # The default Nx traced for the block node `block`, its parameters (see collect/2)
-    # bound to the slots of the block's tensor arguments.
+    # The default Nx traced for the block node `block`, its parameters (found by
+    # Emily.Compiler.Native's collect/2) bound to the slots of the block's tensor
+    # arguments.
     defp block_default(%T{data: %Expr{id: id, args: [_block, in_args, default, _fun]}}, st) do
       inputs = Enum.take_while(in_args, &(not is_list(&1)))
       {slots, st} = Enum.map_reduce(inputs, st, &lower_node/2)

@@ -8,7 +8,9 @@ if Code.ensure_loaded?(Nx) do
     # A plan is `{:program, program, extras}` (extras: the Emily tensors passed after
     # the inputs, the captured tensors, then the folded constants), or, around a host
     # step, the plan of what the step reads, the step, and the plan of the graph with
-    # the step's results as more inputs (`{:loop, ...}`, `{:call, ...}`).
+    # the step's results as more inputs (`{:loop, ...}`, `{:call, ...}`). The plan of the
+    # graph computes again what it shares with the plans before the step, other than
+    # the step's results (a value used both before and after a loop, say).
 
     alias Nx.Defn.{Composite, Expr}
     alias Nx.Tensor, as: T
