@@ -24,15 +24,15 @@ if Code.ensure_loaded?(Nx) do
 
       * parameters, constants, captured tensors, `iota` and `eye`;
       * elementwise unary and binary ops (comparisons and logical ops give Nx's u8;
-        `erf_inv` as `Emily.Backend` computes it), `select`, `clip`, `bitcast`, and
-        `as_type` (float to integer as Nx converts: truncation, NaN to 0, infinities
-        to the type's limits; not from complex);
+        `erf_inv` as `Emily.Backend` computes it), `select`, `clip`, `bitcast`,
+        `real`, `imag`, `conjugate`, and `as_type` (float to integer as Nx converts:
+        truncation, NaN to 0, infinities to the type's limits; not from complex);
       * `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `pad`, `slice` and
         `put_slice` (start indices numbers or tensors), `concatenate`, `stack`;
       * `dot` (batched too), `conv` (real types), `sum`, `product`, `reduce_max`,
         `reduce_min`, `all`, `any`, `argmax`, `argmin`, `window_sum`,
         `window_product`, `window_max`, `window_min` and the window scatters (their
-        gradients), `sort`, `argsort`;
+        gradients), `sort`, `argsort`, `fft`, `ifft`;
       * `gather`, `indexed_add`, `indexed_put`, and the `take`, `take_along_axis`,
         cumulative and `logical_not` blocks, each as the MLX op `Emily.Backend` runs
         (indices clamped on reads, dropped on writes; with `:debug_bounds_check` these
@@ -59,8 +59,8 @@ if Code.ensure_loaded?(Nx) do
 
     A graph with anything else (a hook, a runtime call, or a `while` whose condition
     reads an input, inside a conditional, a block or an unrolled loop; `reduce` and
-    `window_reduce` with a function, FFTs, other complex and linear algebra ops, other
-    types, vectorized tensors) runs whole on the evaluator path and emits
+    `window_reduce` with a function, complex constants and convolutions, linear
+    algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...); the graph
     is not lowered again.

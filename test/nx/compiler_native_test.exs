@@ -83,6 +83,13 @@ if Code.ensure_loaded?(Nx) do
 
     defn(inverses(x, i), do: {Nx.erf_inv(x), Nx.bitcast(i, :f32), Nx.bitcast(x, :u32)})
 
+    defn spectra(x, z) do
+      f = Nx.fft(x)
+
+      {f, Nx.ifft(f), Nx.fft(z, length: 6), Nx.real(f), Nx.imag(f), Nx.conjugate(z), Nx.imag(x),
+       Nx.real(x), Nx.abs(Nx.ifft(z, eps: 1.0e-3))}
+    end
+
     # Loops of a number of passes known when the graph is lowered: over a range, over a
     # tensor's rows, nested, with a body that reads the input.
     defn loops(x, w) do
@@ -327,6 +334,12 @@ if Code.ensure_loaded?(Nx) do
 
     test "Nx.Random in defn (threefry's loops, erf_inv) gives Nx.BinaryBackend's numbers" do
       check_paths(&random/1, [Nx.Random.key(42)])
+    end
+
+    test "fft, ifft and complex parts" do
+      x = O.tensor({2, 4}, {:f, 32})
+      z = Nx.complex(O.tensor({3, 4}, {:f, 32}), O.tensor({3, 4}, {:f, 32}))
+      check_paths(&spectra/2, [x, z])
     end
 
     test "erf_inv (Nx's formula on the CPU) and bitcast" do

@@ -86,6 +86,55 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :abs, [x])
     end
 
+    # Complex parts, as Emily.Backend's: a real tensor is its own real part, and its
+    # imaginary part is zero.
+    def lower_op(:real, [%T{type: {:c, _}} = x], _t, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :real, [x])
+    end
+
+    def lower_op(:real, [x], %T{type: type}, st), do: operand(x, type, st)
+
+    def lower_op(:imag, [%T{type: {:c, _}} = x], _t, st) do
+      {x, st} = lower_node(x, st)
+      emit(st, :imag, [x])
+    end
+
+    def lower_op(:imag, [_x], %T{type: type, shape: shape}, st),
+      do: emit(st, :full, [shape, 0, type])
+
+    def lower_op(:conjugate, [x], %T{type: type}, st) do
+      {x, st} = operand(x, type, st)
+      emit(st, :conjugate, [x])
+    end
+
+    # As Emily.Backend's: MLX's transform, then, with Nx's `:eps`, each component within
+    # it of zero set to zero (as Nx.BinaryBackend does).
+    def lower_op(op, [x, opts], %T{type: {:c, bits} = type}, st) when op in [:fft, :ifft] do
+      {x, st} = operand(x, type, st)
+      {y, st} = emit(st, op, [x, opts[:length], opts[:axis]])
+
+      case opts[:eps] do
+        nil ->
+          {y, st}
+
+        eps ->
+          real = {:f, div(bits, 2)}
+          {zero, st} = emit(st, :full, [{}, 0, real])
+          {tol, st} = emit(st, :full, [{}, eps, real])
+          {re, st} = emit(st, :real, [y])
+          {re, st} = clean(re, zero, tol, type, st)
+          {im, st} = emit(st, :imag, [y])
+          {im, st} = clean(im, zero, tol, type, st)
+          # i: the floats 0 and 1 read as one complex number.
+          {parts, st} = emit(st, :arange, [0, 2, 1, real])
+          {i, st} = emit(st, :view, [parts, type])
+          {i, st} = emit(st, :reshape, [i, {}])
+          {im, st} = emit(st, :multiply, [im, i])
+          emit(st, :add, [re, im])
+      end
+    end
+
     def lower_op(:bitcast, [x], %T{type: type}, st) do
       {x, st} = lower_node(x, st)
       emit(st, :view, [x, type])
@@ -479,6 +528,14 @@ if Code.ensure_loaded?(Nx) do
     defp clamp_starts(shape, starts, lengths) do
       [Tuple.to_list(shape), starts, lengths]
       |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
+    end
+
+    # `part` with each value within `tol` of zero set to `zero`, as `type`.
+    defp clean(part, zero, tol, type, st) do
+      {magnitude, st} = emit(st, :abs, [part])
+      {small, st} = emit(st, :less_equal, [magnitude, tol])
+      {part, st} = emit(st, :where, [small, zero, part])
+      emit(st, :astype, [part, type])
     end
 
     # sum(coefficient * x^power), highest power first, in f64.
