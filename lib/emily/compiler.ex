@@ -89,9 +89,10 @@ if Code.ensure_loaded?(Nx) do
       * `:cache` - keep the traced graph (and, with `native: true`, the lowered
         program; default `true`): the graph is traced on the first call of a
         `Nx.Defn.jit` function for given input shapes, types and options, and later
-        calls run it again. The graph and the tensors the function captures stay alive
-        while kept (at most 512 entries: the cache is emptied when full); `false`
-        traces on every call.
+        calls run it again. Lowered programs are shared by all processes; traced
+        graphs (the evaluator path's) are kept by the process that traced them. What
+        is kept, and the tensors the function captures, stay alive while kept (at most
+        512 entries each: a cache is emptied when full); `false` traces on every call.
 
     Other options are accepted and passed through (libraries such as Axon pass their
     own).
@@ -214,6 +215,27 @@ if Code.ensure_loaded?(Nx) do
     # a new key) cannot hold on to their programs and tensors without end.
     @cache_limit 512
 
+    # The evaluator's compiled functions hold the traced graph, a DAG: copied out of the
+    # process (into a table, or a message), it is flattened, and a graph with much
+    # sharing becomes far larger than itself (Nx.LinAlg.eigh's default: some 100 GB).
+    # They are kept in the process that traced them, bounded as the table is.
+    @local {__MODULE__, :evaluator}
+
+    defp locally_cached(key, make) do
+      kept = Process.get(@local, %{})
+
+      case kept do
+        %{^key => compiled} ->
+          compiled
+
+        _ ->
+          compiled = make.()
+          kept = if map_size(kept) >= @cache_limit, do: %{}, else: kept
+          Process.put(@local, Map.put(kept, key, compiled))
+          compiled
+      end
+    end
+
     defp cache_store(key, lowered) do
       if :ets.info(@cache, :size) >= @cache_limit, do: :ets.delete_all_objects(@cache)
       :ets.insert(@cache, {key, lowered})
@@ -270,13 +292,16 @@ if Code.ensure_loaded?(Nx) do
       {cache?, opts} = Keyword.pop(opts, :cache, true)
       evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
 
-      {:ok, compiled} =
-        cached(cache?, {:evaluator, key, Enum.map(vars, &args_key/1), cache_opts(opts)}, fn ->
-          {:ok,
-           in_context(stream, backend, fn ->
-             Nx.Defn.Evaluator.__compile__(key, vars, fun, evaluator_opts)
-           end)}
+      compile = fn ->
+        in_context(stream, backend, fn ->
+          Nx.Defn.Evaluator.__compile__(key, vars, fun, evaluator_opts)
         end)
+      end
+
+      compiled =
+        if cache?,
+          do: locally_cached({key, Enum.map(vars, &args_key/1), cache_opts(opts)}, compile),
+          else: compile.()
 
       fn args_list ->
         in_context(stream, backend, fn ->

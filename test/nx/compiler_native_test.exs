@@ -188,6 +188,11 @@ if Code.ensure_loaded?(Nx) do
 
     defn(cnn_grad(params, x, tokens), do: grad(params, &cnn_loss(&1, x, tokens)))
 
+    # Metadata around a tuple (stop_grad of a container), and captured tensors inside.
+    defn(wrapped(x),
+      do: stop_grad({x * Nx.tensor([2.0, 3.0]), x + 1}) |> then(fn {a, b} -> a - b end)
+    )
+
     defmodule Doubled do
       @moduledoc false
       # A block Emily has no kernel for: it runs its default.
@@ -355,6 +360,24 @@ if Code.ensure_loaded?(Nx) do
 
       args = [params, O.tensor({2, 2, 5, 5}, {:f, 32}), Nx.tensor([3, 1], type: :s32)]
       check_paths(&cnn_grad/3, args, tol: {1.0e-4, 1.0e-5})
+    end
+
+    test "metadata around a tuple" do
+      check_paths(&wrapped/1, [O.tensor({2}, {:f, 32})])
+    end
+
+    test "linear algebra blocks run on the evaluator path (LAPACK), with their reason" do
+      a = Nx.tensor([[4.0, 1.0], [1.0, 3.0]])
+
+      {out, fallbacks} =
+        with_fallbacks(fn -> ejit(&Nx.LinAlg.cholesky/1, native: true).(a) end)
+
+      assert [%{reason: {:block, Nx.Block.LinAlg.Cholesky}}] = fallbacks
+
+      assert_same(
+        out,
+        Nx.with_default_backend(Nx.BinaryBackend, fn -> Nx.LinAlg.cholesky(a) end)
+      )
     end
 
     test "blocks without a kernel lower their default: top_k, all_close, a library's block" do

@@ -259,6 +259,20 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    describe "graphs with much sharing" do
+      test "a jit of Nx.LinAlg.eigh, whose default is a DAG that flattens to some 100 GB" do
+        a = Nx.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
+
+        expected =
+          Nx.with_default_backend(Nx.BinaryBackend, fn -> Nx.LinAlg.eigh(a) |> elem(0) end)
+
+        for opts <- [[], [native: true]] do
+          values = ejit(&(Nx.LinAlg.eigh(&1) |> elem(0)), opts).(a)
+          assert_same(values, expected, tol: {1.0e-4, 1.0e-4})
+        end
+      end
+    end
+
     describe "options" do
       test "unknown options are accepted and passed through" do
         x = O.tensor({2, 3}, {:f, 32})

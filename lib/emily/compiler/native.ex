@@ -298,10 +298,14 @@ if Code.ensure_loaded?(Nx) do
     defp block_params([_ | rest], known, seen, params),
       do: block_params(rest, known, seen, params)
 
+    # The tensors among a node's arguments, those in tuples and maps (a container's
+    # leaves: an io_call's data, metadata around a tuple) included.
     defp args_tensors(args) do
       Enum.flat_map(args, fn
         %T{} = t -> [t]
         list when is_list(list) -> Enum.filter(list, &match?(%T{}, &1))
+        tuple when is_tuple(tuple) -> args_tensors(Tuple.to_list(tuple))
+        map when is_map(map) and not is_struct(map) -> args_tensors(Map.values(map))
         _ -> []
       end)
     end

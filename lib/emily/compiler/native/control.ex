@@ -18,6 +18,19 @@ if Code.ensure_loaded?(Nx) do
     # What calls an Elixir function on the host.
     @calls [:io_call, :runtime_call]
 
+    # Linear algebra runs on the evaluator path, where Emily.Backend calls LAPACK (on a
+    # CPU stream): Nx's own algorithms, unrolled, would make programs of thousands of
+    # instructions, and loops that read their input.
+    @linalg [
+      Nx.Block.LinAlg.Cholesky,
+      Nx.Block.LinAlg.Solve,
+      Nx.Block.LinAlg.QR,
+      Nx.Block.LinAlg.Eigh,
+      Nx.Block.LinAlg.SVD,
+      Nx.Block.LinAlg.LU,
+      Nx.Block.LinAlg.Determinant
+    ]
+
     @doc false
     # A block without a kernel (see Emily.Compiler.Native.Ops): its default
     # implementation (Nx's own, built of other ops), as Emily.Backend runs it.
@@ -67,6 +80,11 @@ if Code.ensure_loaded?(Nx) do
         _ -> host(call, st)
       end
     end
+
+    # An element of a tuple wrapped in metadata (a custom gradient, say): that element.
+    def lower_op(:elem, [%T{data: %Expr{op: :metadata, args: [tuple, _meta]}}, i], _t, st)
+        when is_tuple(tuple),
+        do: lower_node(elem(tuple, i), st)
 
     # Otherwise a tuple's element comes from an op not lowered.
     def lower_op(:elem, [%T{data: %Expr{op: op}} | _], _t, _st),
@@ -170,13 +188,17 @@ if Code.ensure_loaded?(Nx) do
     # The default Nx traced for the block node `block`, its parameters (found by
     # Emily.Compiler.Native's collect/2) bound to the slots of the block's tensor
     # arguments.
+    defp block_default(%T{data: %Expr{args: [%struct{} | _]}}, _st) when struct in @linalg,
+      do: throw({:unsupported, {:block, struct}})
+
     defp block_default(%T{data: %Expr{id: id, args: [_block, in_args, default, _fun]}}, st) do
       inputs = Enum.take_while(in_args, &(not is_list(&1)))
       {slots, st} = Enum.map_reduce(inputs, st, &lower_node/2)
       slots = List.to_tuple(slots)
 
-      bound =
-        Map.new(Map.fetch!(st.defaults, id), fn {param, pos} -> {param, elem(slots, pos)} end)
+      # (A block the graph's walk did not reach cannot be bound: not lowered.)
+      params = Map.get(st.defaults, id) || throw({:unsupported, {:op, :block}})
+      bound = Map.new(params, fn {param, pos} -> {param, elem(slots, pos)} end)
 
       {default, %{st | memo: Map.merge(st.memo, bound)}}
     end

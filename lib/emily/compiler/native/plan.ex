@@ -97,8 +97,11 @@ if Code.ensure_loaded?(Nx) do
     # A `runtime_call`: its function called with the data as Nx tensors; its results
     # (on the stream's device) are the rest's inputs.
     defp host(%T{data: %Expr{op: :runtime_call, args: [data, fun, template, opts]}} = node, at) do
+      # (Templates, not the graph: a plan is kept in a table, which copies it flattened.)
+      inputs = Composite.traverse(data, &Nx.to_template/1)
+
       call = fn refs, stream ->
-        out = fun.(tensors(data, refs, stream), opts)
+        out = fun.(tensors(inputs, refs, stream), opts)
 
         if not Nx.compatible?(template, out),
           do: raise("expected the runtime_call function to match the given output template")
