@@ -17,9 +17,10 @@ if Code.ensure_loaded?(Nx) do
     or at the first `Nx.Defn.jit` call for given input shapes and types: see `:cache`)
     into one `Emily.Program` (or a few, around a loop that runs on the host: see below)
     and replays it per run in one native call, with the inputs (and the graph's
-    captured tensors) as the program's inputs, returning its outputs evaluated (`Emily.Program.eval/3`: the call builds and evaluates the graph itself,
-    with no hop to the stream's worker and back); with `compile: true` the program is
-    also fused with `mx::compile` and runs on the stream's worker. It lowers, over the
+    captured tensors) as the program's inputs, returning its outputs evaluated
+    (`Emily.Program.eval/3`: the call builds and evaluates the graph itself, with no
+    hop to the stream's worker and back); with `compile: true` the program is also
+    fused with `mx::compile` and runs on the stream's worker. It lowers, over the
     types MLX computes with (not f64 on a GPU):
 
       * parameters, constants, captured tensors, `iota` and `eye`;
@@ -69,11 +70,10 @@ if Code.ensure_loaded?(Nx) do
     as a causal mask) is computed once, when the graph is lowered, and held by the
     compiled function as one more input of the program, so that runs do not recompute
     it: each value up to 1 MiB; a larger one is computed on every run from the smaller
-    values it is made from. With
-    `:debug_detect_nan_inf` (`Emily.Debug`), the program also counts the non-finite
-    values of each result `Emily.Backend` would check (`dot`, and `Emily.Fast`'s norms
-    and attention), and the run raises as the backend would. The evaluator path stays
-    the default.
+    values it is made from. With `:debug_detect_nan_inf` (`Emily.Debug`), the program
+    also counts the non-finite values of each result `Emily.Backend` would check
+    (`dot`, and `Emily.Fast`'s norms and attention), and the run raises as the backend
+    would. The evaluator path stays the default.
 
     ## Options
 
