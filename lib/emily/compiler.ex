@@ -63,8 +63,9 @@ if Code.ensure_loaded?(Nx) do
     `window_reduce` with a function, complex constants and convolutions, linear
     algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
-    (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...); the graph
-    is not lowered again.
+    (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error
+    while lowering a graph it traced, a bug, falls back too, as
+    `{:lowering_failed, exception, message}`); the graph is not lowered again.
 
     What reads no input (constants, iotas and what is computed from them alone, such
     as a causal mask) is computed once, when the graph is lowered, and held by the

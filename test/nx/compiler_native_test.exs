@@ -366,6 +366,19 @@ if Code.ensure_loaded?(Nx) do
       check_paths(&wrapped/1, [O.tensor({2}, {:f, 32})])
     end
 
+    test "an error while lowering a traced graph is a fallback reason, not the caller's error" do
+      expr = Nx.Defn.debug_expr(&Nx.exp/1).(Nx.tensor([1.0]))
+      broken = put_in(expr.data.args, [:not_a_tensor])
+
+      assert {:unsupported, {:lowering_failed, FunctionClauseError, _message}} =
+               catch_throw(Emily.Compiler.Native.lower([], fn [] -> broken end, device: :cpu))
+
+      # The tracing itself is the caller's code, and raises as such.
+      assert_raise RuntimeError, "traced", fn ->
+        Emily.Compiler.Native.lower([], fn [] -> raise "traced" end, device: :cpu)
+      end
+    end
+
     test "linear algebra blocks run on the evaluator path (LAPACK), with their reason" do
       a = Nx.tensor([[4.0, 1.0], [1.0, 3.0]])
 

@@ -32,7 +32,18 @@ if Code.ensure_loaded?(Nx) do
     # after the outputs (under :debug_detect_nan_inf; see `check_finite!/2`). Throws
     # `{:unsupported, reason}`.
     def lower(vars, fun, opts) do
-      {plan, lowered} = Plan.plan(vars, fun.(vars), opts, [])
+      # Tracing is the user's code: its errors are theirs. An error while lowering what
+      # it traced is a graph the lowering does not know: the graph falls back, with the
+      # error as its reason.
+      result = fun.(vars)
+
+      {plan, lowered} =
+        try do
+          Plan.plan(vars, result, opts, [])
+        rescue
+          e -> throw({:unsupported, {:lowering_failed, e.__struct__, Exception.message(e)}})
+        end
+
       {plan, lowered.template, lowered.checks}
     end
 
