@@ -38,7 +38,9 @@ if Code.ensure_loaded?(Nx) do
         cumulative and `logical_not` blocks, each as the MLX op `Emily.Backend` runs
         (indices clamped on reads, dropped on writes; with `:debug_bounds_check` these
         fall back, so that the backend checks them);
-      * `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused kernels, and every
+      * `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused kernels; on the CPU,
+        `Nx.LinAlg`'s Cholesky, solve and determinant (up to 3x3) as LAPACK, as
+        `Emily.Backend` computes them (the other linear algebra falls back); every
         other block (`top_k`, `all_close`, a library's own) as its default
         implementation, lowered in turn;
       * `while` loops whose condition reads no input (over a range or a tensor's
@@ -60,8 +62,8 @@ if Code.ensure_loaded?(Nx) do
 
     A graph with anything else (a hook, a runtime call, or a `while` whose condition
     reads an input, inside a conditional, a block or an unrolled loop; `reduce` and
-    `window_reduce` with a function, complex constants and convolutions, linear
-    algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
+    `window_reduce` with a function, complex constants and convolutions, the other
+    linear algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error
     while lowering a graph it traced, a bug, falls back too, as

@@ -379,18 +379,31 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    test "linear algebra blocks run on the evaluator path (LAPACK), with their reason" do
-      a = Nx.tensor([[4.0, 1.0], [1.0, 3.0]])
+    defn(linalg(a, b),
+      do: {Nx.LinAlg.cholesky(a), Nx.LinAlg.solve(a, b), Nx.LinAlg.determinant(a)}
+    )
 
-      {out, fallbacks} =
-        with_fallbacks(fn -> ejit(&Nx.LinAlg.cholesky/1, native: true).(a) end)
+    test "Cholesky, solve and small determinants as LAPACK on a CPU program; the rest falls back" do
+      a = Nx.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
+      b = Nx.tensor([1.0, -2.0, 0.5])
 
-      assert [%{reason: {:block, Nx.Block.LinAlg.Cholesky}}] = fallbacks
+      for type <- [{:f, 32}, {:f, 64}] do
+        args = [Nx.as_type(a, type), Nx.as_type(b, type)]
+        expected = Nx.with_default_backend(Nx.BinaryBackend, fn -> apply(&linalg/2, args) end)
+        jit = ejit(&linalg/2, native: true, device: :cpu)
+        {out, fallbacks} = with_fallbacks(fn -> apply(jit, args) end)
+        assert debug_fallbacks?(fallbacks)
+        assert_same(out, expected, tol: {1.0e-5, 1.0e-5})
+      end
 
-      assert_same(
-        out,
-        Nx.with_default_backend(Nx.BinaryBackend, fn -> Nx.LinAlg.cholesky(a) end)
-      )
+      # LAPACK's other blocks, and larger determinants, on the evaluator path.
+      for fun <- [&Nx.LinAlg.qr/1, &Nx.LinAlg.determinant/1] do
+        a4 = Nx.add(Nx.eye(4), 0.1)
+        {out, fallbacks} = with_fallbacks(fn -> ejit(fun, native: true, device: :cpu).(a4) end)
+        assert [%{reason: {:block, _}}] = fallbacks
+        expected = Nx.with_default_backend(Nx.BinaryBackend, fn -> fun.(a4) end)
+        assert_same(out, expected, tol: {1.0e-4, 1.0e-4})
+      end
     end
 
     test "blocks without a kernel lower their default: top_k, all_close, a library's block" do

@@ -18,9 +18,10 @@ if Code.ensure_loaded?(Nx) do
     # What calls an Elixir function on the host.
     @calls [:io_call, :runtime_call]
 
-    # Linear algebra runs on the evaluator path, where Emily.Backend calls LAPACK (on a
-    # CPU stream): Nx's own algorithms, unrolled, would make programs of thousands of
-    # instructions, and loops that read their input.
+    # Linear algebra that Emily.Compiler.Native.Ops does not lower runs on the evaluator
+    # path, where Emily.Backend calls LAPACK (on a CPU stream): Nx's own algorithms,
+    # unrolled, would make programs of thousands of instructions, and loops that read
+    # their input.
     @linalg [
       Nx.Block.LinAlg.Cholesky,
       Nx.Block.LinAlg.Solve,

@@ -33,6 +33,14 @@ if Code.ensure_loaded?(Nx) do
 
     @fast_blocks Emily.Fast.blocks()
 
+    # The linear algebra blocks lowered on the CPU: Native op and its arguments after
+    # the tensors.
+    @linalg %{
+      Nx.Block.LinAlg.Cholesky => {:cholesky, [false]},
+      Nx.Block.LinAlg.Solve => {:solve, []},
+      Nx.Block.LinAlg.Determinant => {:det, []}
+    }
+
     # Integers beyond this do not survive the op table's `float` argument exactly.
     @max_exact 9_007_199_254_740_992
 
@@ -490,6 +498,24 @@ if Code.ensure_loaded?(Nx) do
       {x, st} = operand(x, :bool, st)
       {y, st} = emit(st, :logical_not, [x])
       emit(st, :astype, [y, t.type])
+    end
+
+    # Linear algebra as Emily.Backend computes it, LAPACK through MLX (on the CPU only:
+    # a GPU program cannot hold it) in the input's real type: Cholesky, solve, and the
+    # determinant of up to 3x3 (MLX's closed forms, as Nx's). The others run on the
+    # evaluator path (Emily.Compiler.Native.Control).
+    def lower_op(:block, [%struct{}, [a | _] = args, _default, _fun], %T{type: type}, st)
+        when is_map_key(@linalg, struct) and st.device == :cpu and
+               elem(a.type, 0) == :f and elem(a.type, 1) in [32, 64] do
+      {op, extra} = Map.fetch!(@linalg, struct)
+
+      if struct == Nx.Block.LinAlg.Determinant and elem(a.shape, tuple_size(a.shape) - 1) > 3,
+        do: throw({:unsupported, {:block, struct}})
+
+      if Enum.any?(args, &(&1.type != a.type)), do: throw({:unsupported, {:block, struct}})
+      {slots, st} = Enum.map_reduce(args, st, &lower_node/2)
+      {y, st} = emit(st, op, slots ++ extra)
+      emit(st, :astype, [y, type])
     end
 
     # Emily.Fast's blocks lower to their fused kernel (Emily.Fast.native_call/3 names it
