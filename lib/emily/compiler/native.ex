@@ -119,8 +119,13 @@ if Code.ensure_loaded?(Nx) do
           {{id, Enum.to_list(n..(n + size - 1)//1)}, n + size}
         end)
 
+      # `opts[:then]`: `{params, condition}`, the condition also lowered over the
+      # outputs as the params (a loop's next pass), its value one more output.
+      then = opts[:then]
+      walked = if then, do: outputs ++ [elem(then, 1)], else: outputs
+
       known = MapSet.new(flat_vars, & &1.data.id)
-      {_seen, tensors, defaults, _known} = collect(outputs, {%{}, [], %{}, known})
+      {_seen, tensors, defaults, _known} = collect(walked, {%{}, [], %{}, known})
       tensors = Enum.reverse(tensors)
       extra_slots = tensors |> Enum.with_index(params) |> Map.new(fn {t, i} -> {t.data.id, i} end)
       extras = Enum.map(tensors, &to_device(&1.data.args |> hd(), device))
@@ -141,6 +146,7 @@ if Code.ensure_loaded?(Nx) do
       }
 
       {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)
+      {slots, st} = lower_then(then, slots, extra_slots, st)
 
       {template, []} =
         Composite.traverse(result, outputs, fn _, [t | rest] -> {Nx.to_template(t), rest} end)
@@ -156,6 +162,18 @@ if Code.ensure_loaded?(Nx) do
         checks: Enum.map(checks, fn {_slot, op, t} -> {op, t} end),
         device: device
       })
+    end
+
+    # The condition over the outputs: a walk of its own, from only the captured tensors
+    # and the outputs bound to the params (a node the outputs share with it holds
+    # another value there).
+    defp lower_then(nil, slots, _memo, st), do: {slots, st}
+
+    defp lower_then({params, condition}, slots, memo, st) do
+      bound = Enum.zip(params, slots) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
+      outer = Map.take(st, [:memo, :results])
+      {pred, st} = lower_node(condition, %{st | memo: Map.merge(memo, bound), results: %{}})
+      {slots ++ [pred], Map.merge(st, outer)}
     end
 
     # Instructions that read no input, directly or through others (constants, iotas and

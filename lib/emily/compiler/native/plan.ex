@@ -22,9 +22,10 @@ if Code.ensure_loaded?(Nx) do
     def run({:program, program, extras}, inputs, stream),
       do: Emily.Program.eval(program, inputs ++ extras, stream: stream)
 
-    def run({:loop, initial, condition, body, rest}, inputs, stream) do
+    def run({:loop, initial, condition, step, rest}, inputs, stream) do
       state = run(initial, inputs, stream)
-      run(rest, inputs ++ repeat(condition, body, state, stream), stream)
+      [pred] = run(condition, state, stream)
+      run(rest, inputs ++ repeat(pred, condition, step, state, stream), stream)
     end
 
     def run({:call, data, call, rest}, inputs, stream) do
@@ -32,12 +33,25 @@ if Code.ensure_loaded?(Nx) do
       run(rest, inputs ++ results, stream)
     end
 
-    defp repeat(condition, body, state, stream) do
-      [pred] = run(condition, state, stream)
+    defp repeat(pred, condition, step, state, stream) do
+      if Emily.to_list(pred) == [0] do
+        state
+      else
+        {state, pred} = advance(step, condition, state, stream)
+        repeat(pred, condition, step, state, stream)
+      end
+    end
 
-      if Emily.to_list(pred) == [0],
-        do: state,
-        else: repeat(condition, body, run(body, state, stream), stream)
+    # One pass: the next state, and the condition's value on it.
+    defp advance({:fused, plan}, _condition, state, stream) do
+      {state, [pred]} = Enum.split(run(plan, state, stream), -1)
+      {state, pred}
+    end
+
+    defp advance({:body, plan}, condition, state, stream) do
+      state = run(plan, state, stream)
+      [pred] = run(condition, state, stream)
+      {state, pred}
     end
 
     @doc false
@@ -46,15 +60,7 @@ if Code.ensure_loaded?(Nx) do
     # already, in order, after the parameters: `{node, number of results}`.
     def plan(vars, result, opts, hosted) do
       lowered = lowering(vars, result, Keyword.put(opts, :hosted, hosted))
-
-      program =
-        Emily.Program.new(lowered.instrs,
-          inputs: lowered.inputs,
-          outputs: lowered.outputs,
-          compile: Keyword.get(opts, :compile, false)
-        )
-
-      {{:program, program, lowered.extras}, lowered}
+      {{:program, program(lowered, opts), lowered.extras}, lowered}
     catch
       {:host, node} ->
         if Emily.Debug.detect_nan_inf?(),
@@ -63,17 +69,30 @@ if Code.ensure_loaded?(Nx) do
         host(node, %{vars: vars, result: result, opts: opts, hosted: hosted})
     end
 
-    # A `while` whose condition reads an input: `{:loop, initial, condition, body,
-    # rest}`, the plans of its initial state, of its condition and of its body (both
-    # over its state), and of the rest. Each pass runs the condition's program, reads
-    # its value, then runs the body's.
+    # A `while` whose condition reads an input: `{:loop, initial, condition, step,
+    # rest}`, the plans of its initial state, of its condition (over its state), of a
+    # pass, and of the rest. The condition's program runs once on the initial state;
+    # then each pass is one program, the body and the condition on the state it makes
+    # (`{:fused, plan}`), or, where the body has host steps of its own, the body's plan
+    # and then the condition's (`{:body, plan}`); the host reads the condition's value.
     defp host(%T{data: %Expr{op: :while, args: [initial, arg, condition, body]}} = loop, at) do
       {initial_plan, _} = plan(at.vars, initial, at.opts, at.hosted)
-      {condition, _} = plan([arg], condition, at.opts, [])
-      {body, _} = plan([arg], body, at.opts, [])
+      {condition_plan, _} = plan([arg], condition, at.opts, [])
+      step = step(arg, condition, body, at.opts)
       hosted = at.hosted ++ [{loop, length(flat(initial))}]
       {rest, lowered} = plan(at.vars, at.result, at.opts, hosted)
-      {{:loop, initial_plan, condition, body, rest}, lowered}
+      {{:loop, initial_plan, condition_plan, step, rest}, lowered}
+    end
+
+    defp step(arg, condition, body, opts) do
+      then = {flat(arg), condition}
+
+      lowered =
+        lowering([arg], body, opts |> Keyword.put(:hosted, []) |> Keyword.put(:then, then))
+
+      {:fused, {:program, program(lowered, opts), lowered.extras}}
+    catch
+      {:host, _} -> {:body, elem(plan([arg], body, opts, []), 0)}
     end
 
     # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): its callback (the
@@ -117,6 +136,14 @@ if Code.ensure_loaded?(Nx) do
       {data, _} = plan(at.vars, data, at.opts, at.hosted)
       {rest, lowered} = plan(at.vars, at.result, at.opts, at.hosted ++ [{node, results}])
       {{:call, data, call, rest}, lowered}
+    end
+
+    defp program(lowered, opts) do
+      Emily.Program.new(lowered.instrs,
+        inputs: lowered.inputs,
+        outputs: lowered.outputs,
+        compile: Keyword.get(opts, :compile, false)
+      )
     end
 
     # `template`'s leaves as Emily tensors of `refs` on `stream`.
