@@ -48,9 +48,9 @@ if Code.ensure_loaded?(Nx) do
         the condition computed before each pass when the graph is lowered;
       * `while` loops whose condition reads an input, outside other loops,
         conditionals and blocks: the loop runs on the host, and the graph becomes
-        several programs: the loop's initial state, its condition, its body, and the
-        rest of the graph with the loop's results as inputs; each pass runs the
-        condition's program, reads its value, then runs the body's;
+        several programs: the loop's initial state, its condition, a pass (the body,
+        and the condition on the state it makes), and the rest of the graph with the
+        loop's results as inputs; the host reads the condition's value after each;
       * `io_call` (hooks, `print_value`, `Nx.Serving`'s streaming) and `runtime_call`,
         outside conditionals, blocks and unrolled loops (in a loop that runs on the
         host, on each pass): the call runs on the host between the program that
