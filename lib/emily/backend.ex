@@ -595,12 +595,7 @@ if Code.ensure_loaded?(Nx) do
     # reduction is MLX's, combined with the accumulator (and, for window_reduce, padded
     # with it, as Nx pads). Any other function falls back.
 
-    @traced %{
-      add: {:sum, :window_sum, :add},
-      multiply: {:prod, :window_product, :multiply},
-      max: {:max, :window_max, :maximum},
-      min: {:min, :window_min, :minimum}
-    }
+    @traced Emily.Backend.Ops.reduce_funs()
 
     defp n_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, opts, fun) do
       case traced(fun, t.type, acc.type) do

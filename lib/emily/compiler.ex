@@ -33,7 +33,8 @@ if Code.ensure_loaded?(Nx) do
       * `dot` (batched too), `conv` (real types), `sum`, `product`, `reduce_max`,
         `reduce_min`, `all`, `any`, `argmax`, `argmin`, `window_sum`,
         `window_product`, `window_max`, `window_min` and the window scatters (their
-        gradients), `sort`, `argsort`, `fft`, `ifft`;
+        gradients), `reduce` and `window_reduce` whose function is one `add`,
+        `multiply`, `max` or `min` of its arguments, `sort`, `argsort`, `fft`, `ifft`;
       * `gather`, `indexed_add`, `indexed_put`, and the `take`, `take_along_axis`,
         cumulative and `logical_not` blocks, each as the MLX op `Emily.Backend` runs
         (indices clamped on reads, dropped on writes; with `:debug_bounds_check` these
@@ -62,8 +63,8 @@ if Code.ensure_loaded?(Nx) do
 
     A graph with anything else (a hook, a runtime call, or a `while` whose condition
     reads an input, inside a conditional, a block or an unrolled loop; `reduce` and
-    `window_reduce` with a function, complex constants and convolutions, the other
-    linear algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
+    `window_reduce` with another function, complex constants and convolutions, the
+    other linear algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error
     while lowering a graph it traced, a bug, falls back too, as

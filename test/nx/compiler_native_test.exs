@@ -188,6 +188,16 @@ if Code.ensure_loaded?(Nx) do
 
     defn(cnn_grad(params, x, tokens), do: grad(params, &cnn_loss(&1, x, tokens)))
 
+    # Nx.reduce and Nx.window_reduce with one Nx op for a function (either order).
+    defn folds(x) do
+      {Nx.reduce(x, 0, [axes: [1]], &Nx.add/2), Nx.reduce(x, 1, fn a, b -> b * a end),
+       Nx.reduce(x, -10, [axes: [0], keep_axes: true], &Nx.max/2),
+       Nx.window_reduce(x, 5, {2, 2}, [padding: :same], &Nx.min/2),
+       Nx.window_reduce(x, 0, {1, 2}, [strides: [1, 2]], fn a, b -> a + b end)}
+    end
+
+    defn(other_fold(x), do: Nx.reduce(x, 0, fn a, b -> a + b * 2 end))
+
     # Metadata around a tuple (stop_grad of a container), and captured tensors inside.
     defn(wrapped(x),
       do: stop_grad({x * Nx.tensor([2.0, 3.0]), x + 1}) |> then(fn {a, b} -> a - b end)
@@ -360,6 +370,19 @@ if Code.ensure_loaded?(Nx) do
 
       args = [params, O.tensor({2, 2, 5, 5}, {:f, 32}), Nx.tensor([3, 1], type: :s32)]
       check_paths(&cnn_grad/3, args, tol: {1.0e-4, 1.0e-5})
+    end
+
+    test "reduce and window_reduce with one op for a function; another function falls back" do
+      check_paths(&folds/1, [O.tensor({3, 4}, {:f, 32})])
+
+      check_paths(&folds/1, [Nx.tensor([[1, -2, 3, 4], [0, 5, -6, 2], [7, 1, 1, -1]], type: :s32)])
+
+      {out, fallbacks} =
+        with_fallbacks(fn -> ejit(&other_fold/1, native: true).(Nx.tensor([1, 2])) end)
+
+      assert [%{reason: {:reduce, :function}}] = fallbacks
+      # The function gets (element, accumulator): 0 -> 1 + 0 * 2 -> 2 + 1 * 2.
+      assert Nx.to_number(out) == 4
     end
 
     test "metadata around a tuple" do

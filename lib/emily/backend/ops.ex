@@ -105,6 +105,19 @@ defmodule Emily.Backend.Ops do
       [opts[:output_permutation] || []]
   end
 
+  # A reduce or window_reduce whose function is one of these Nx ops on its two
+  # arguments: the reduction, the window reduction, and the op combining the result
+  # with the accumulator.
+  @reduce_funs %{
+    add: {:sum, :window_sum, :add},
+    multiply: {:prod, :window_product, :multiply},
+    max: {:max, :window_max, :maximum},
+    min: {:min, :window_min, :minimum}
+  }
+
+  @doc "Nx op of a reduce function => `{reduction, window reduction, combining op}`."
+  def reduce_funs, do: @reduce_funs
+
   @doc "argmax/argmin => `{Native op for tie_break: :low, for tie_break: :high}`."
   def arg_reduce, do: @arg_reduce
 

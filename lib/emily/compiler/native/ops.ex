@@ -5,6 +5,7 @@ if Code.ensure_loaded?(Nx) do
     # Emily.Compiler.Native), with the casts and the MLX ops Emily.Backend uses for it.
     # Loops, conditionals and blocks' defaults go to Emily.Compiler.Native.Control.
 
+    alias Nx.Defn.Expr
     alias Nx.Tensor, as: T
     alias Emily.Compiler.Native.Control
 
@@ -28,6 +29,8 @@ if Code.ensure_loaded?(Nx) do
     @take Emily.Backend.Ops.take()
 
     @window [:window_sum, :window_product, :window_max, :window_min]
+
+    @reduce_funs Emily.Backend.Ops.reduce_funs()
 
     @erf_inv Emily.Backend.Ops.erf_inv_coefficients()
 
@@ -389,6 +392,33 @@ if Code.ensure_loaded?(Nx) do
       emit(st, op, [x, Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]])
     end
 
+    # A reduce whose function is one Nx op on its two arguments, as Emily.Backend
+    # computes it: MLX's reduction, combined with the accumulator.
+    def lower_op(:reduce, [x, acc, opts, fun], %T{type: type}, st) do
+      {reduce, _window, combine} = reduce_fun(fun, :reduce)
+      {slot, st} = operand(x, type, st)
+      {y, st} = emit(st, reduce, [slot, axes(x, opts[:axes]), opts[:keep_axes] || false])
+      {y, st} = emit(st, :astype, [y, type])
+      {a, st} = operand(acc, type, st)
+      emit(st, combine, [y, a])
+    end
+
+    # The same over windows: the tensor padded with the accumulator (in the two types
+    # merged, as Nx pads), MLX's window reduction, combined with the accumulator.
+    def lower_op(:window_reduce, [x, acc, window, opts, fun], %T{type: type}, st) do
+      {_reduce, op, combine} = reduce_fun(fun, :window_reduce)
+      padded = Nx.Type.merge(x.type, acc.type)
+      {lo, hi} = Enum.unzip(opts[:padding])
+      zeros = List.duplicate(0, tuple_size(window))
+      {init, st} = operand(acc, padded, st)
+      {slot, st} = operand(x, padded, st)
+      {slot, st} = emit(st, :pad, [slot, init, lo, hi, zeros])
+      args = [slot, Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
+      {y, st} = emit(st, op, args)
+      {y, st} = emit(st, combine, [y, init])
+      emit(st, :astype, [y, type])
+    end
+
     # As Emily.Backend's: the tensor padded as Nx pads it (a padded place can win a
     # window, its update then dropped; the op never selects its own padding), the
     # result cropped back.
@@ -555,6 +585,22 @@ if Code.ensure_loaded?(Nx) do
       [Tuple.to_list(shape), starts, lengths]
       |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
     end
+
+    # The ops of a reduce's function that is one of Emily.Backend.Ops.reduce_funs/0 on
+    # its two parameters; any other function is not lowered.
+    defp reduce_fun(%T{data: %Expr{op: :fun, args: [[a, b], body, _mfa]}}, op) do
+      case body do
+        %T{data: %Expr{op: fun, args: [x, y]}} when is_map_key(@reduce_funs, fun) ->
+          if Enum.sort([id(x), id(y)]) == Enum.sort([id(a), id(b)]),
+            do: Map.fetch!(@reduce_funs, fun),
+            else: throw({:unsupported, {op, :function}})
+
+        _ ->
+          throw({:unsupported, {op, :function}})
+      end
+    end
+
+    defp id(%T{data: %Expr{id: id}}), do: id
 
     # `part` with each value within `tol` of zero set to `zero`, as `type`.
     defp clean(part, zero, tol, type, st) do
