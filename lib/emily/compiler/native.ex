@@ -377,6 +377,14 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc false
+    # The axes an op's `axes` option names, all of `x`'s where it names none.
+    def axes(%T{shape: shape}, nil), do: all_axes(shape)
+    def axes(_x, axes), do: axes
+
+    @doc false
+    def all_axes(shape), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
+
+    @doc false
     def flat(tuple) when is_tuple(tuple), do: Tuple.to_list(tuple)
     def flat(%T{} = t), do: [t]
 

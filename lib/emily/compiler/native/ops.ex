@@ -2,15 +2,17 @@ if Code.ensure_loaded?(Nx) do
   defmodule Emily.Compiler.Native.Ops do
     @moduledoc false
     # How each Nx op of an `Nx.Defn.Expr` graph lowers to program instructions (see
-    # Emily.Compiler.Native), with the casts and the MLX ops Emily.Backend uses for it.
-    # Loops, conditionals and blocks' defaults go to Emily.Compiler.Native.Control.
+    # Emily.Compiler.Native), with the casts and the MLX ops Emily.Backend uses for it:
+    # creation, elementwise ops and casts, shapes, dot and reductions, FFTs, and the
+    # blocks with a kernel. The ops that address elements by position go to
+    # Emily.Compiler.Native.Index; loops, conditionals and blocks' defaults to
+    # Emily.Compiler.Native.Control.
 
-    alias Nx.Defn.Expr
     alias Nx.Tensor, as: T
-    alias Emily.Compiler.Native.Control
+    alias Emily.Compiler.Native.{Control, Index}
 
     import Emily.Compiler.Native,
-      only: [lower_node: 2, emit: 3, operand: 3, checked: 4, constant_value: 2]
+      only: [lower_node: 2, emit: 3, operand: 3, checked: 4, axes: 2]
 
     @unary Emily.Backend.Ops.unary()
 
@@ -23,14 +25,13 @@ if Code.ensure_loaded?(Nx) do
 
     @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
-    @arg_reduce Emily.Backend.Ops.arg_reduce()
-    @scatter Emily.Backend.Ops.scatter()
     @scan Emily.Backend.Ops.scan()
     @take Emily.Backend.Ops.take()
 
-    @window [:window_sum, :window_product, :window_max, :window_min]
-
-    @reduce_funs Emily.Backend.Ops.reduce_funs()
+    # What Emily.Compiler.Native.Index lowers.
+    @index_ops [:slice, :put_slice, :gather, :indexed_add, :indexed_put, :argmax, :argmin] ++
+                 [:sort, :argsort, :window_sum, :window_product, :window_max, :window_min] ++
+                 [:window_scatter_max, :window_scatter_min, :reduce, :window_reduce, :conv]
 
     @erf_inv Emily.Backend.Ops.erf_inv_coefficients()
 
@@ -324,22 +325,12 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :clip, [x, lo, hi])
     end
 
-    # Start indices that read an input stay on the device, where the op clamps them as
-    # Nx does.
-    def lower_op(:slice, [x, starts, lengths, strides], _t, st) do
-      {slot, st} = lower_node(x, st)
+    # Indexing, orderings, scans, windows and convolutions: Emily.Compiler.Native.Index.
+    def lower_op(op, args, t, st) when op in @index_ops, do: Index.lower_op(op, args, t, st)
 
-      case known_starts(starts, st) do
-        {:ok, starts, st} ->
-          starts = clamp_starts(x.shape, starts, lengths)
-          stops = Enum.zip_with(starts, lengths, &(&1 + &2))
-          emit(st, :slice, [slot, starts, stops, strides])
-
-        {:dynamic, st} ->
-          {starts, st} = starts_vector(starts, st)
-          emit(st, :slice_dynamic, [slot, starts, all_axes(x.shape), lengths, strides])
-      end
-    end
+    def lower_op(:block, [%struct{} | _] = args, t, st)
+        when is_map_key(@take, struct) or is_map_key(@scan, struct),
+        do: Index.lower_op(:block, args, t, st)
 
     def lower_op(:concatenate, [tensors, axis], %T{type: type}, st) do
       {slots, st} = Enum.map_reduce(tensors, st, &operand(&1, type, &2))
@@ -362,166 +353,6 @@ if Code.ensure_loaded?(Nx) do
       {v, st} = operand(value, type, st)
       [lo, hi, interior] = for i <- 0..2, do: Enum.map(config, &elem(&1, i))
       emit(st, :pad, [x, v, lo, hi, interior])
-    end
-
-    def lower_op(op, [x, opts], %T{type: type, shape: shape}, st)
-        when is_map_key(@arg_reduce, op) do
-      {slot, st} = lower_node(x, st)
-
-      # Over all axes: over the flattened tensor, then shaped as Nx's result.
-      {slot, axis, st} =
-        case opts[:axis] do
-          nil ->
-            {flat, st} = emit(st, :reshape, [slot, {Nx.size(x.shape)}])
-            {flat, 0, st}
-
-          axis ->
-            {slot, axis, st}
-        end
-
-      {first, last} = Map.fetch!(@arg_reduce, op)
-      reduce = if opts[:tie_break] == :high, do: last, else: first
-      {y, st} = emit(st, reduce, [slot, axis, opts[:keep_axis] || false])
-      {y, st} = emit(st, :astype, [y, type])
-      if opts[:axis] == nil and shape != {}, do: emit(st, :reshape, [y, shape]), else: {y, st}
-    end
-
-    def lower_op(op, [x, window, opts], %T{type: type}, st) when op in @window do
-      {x, st} = operand(x, type, st)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      emit(st, op, [x, Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]])
-    end
-
-    # A reduce whose function is one Nx op on its two arguments, as Emily.Backend
-    # computes it: MLX's reduction, combined with the accumulator.
-    def lower_op(:reduce, [x, acc, opts, fun], %T{type: type}, st) do
-      {reduce, _window, combine} = reduce_fun(fun, :reduce)
-      {slot, st} = operand(x, type, st)
-      {y, st} = emit(st, reduce, [slot, axes(x, opts[:axes]), opts[:keep_axes] || false])
-      {y, st} = emit(st, :astype, [y, type])
-      {a, st} = operand(acc, type, st)
-      emit(st, combine, [y, a])
-    end
-
-    # The same over windows: the tensor padded with the accumulator (in the two types
-    # merged, as Nx pads), MLX's window reduction, combined with the accumulator.
-    def lower_op(:window_reduce, [x, acc, window, opts, fun], %T{type: type}, st) do
-      {_reduce, op, combine} = reduce_fun(fun, :window_reduce)
-      padded = Nx.Type.merge(x.type, acc.type)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      zeros = List.duplicate(0, tuple_size(window))
-      {init, st} = operand(acc, padded, st)
-      {slot, st} = operand(x, padded, st)
-      {slot, st} = emit(st, :pad, [slot, init, lo, hi, zeros])
-      args = [slot, Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
-      {y, st} = emit(st, op, args)
-      {y, st} = emit(st, combine, [y, init])
-      emit(st, :astype, [y, type])
-    end
-
-    # As Emily.Backend's: the tensor padded as Nx pads it (a padded place can win a
-    # window, its update then dropped; the op never selects its own padding), the
-    # result cropped back.
-    def lower_op(op, [x, source, init, window, opts], %T{type: type}, st)
-        when op in [:window_scatter_max, :window_scatter_min] do
-      rank = tuple_size(window)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      zeros = List.duplicate(0, rank)
-      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
-
-      {slot, st} =
-        if padded? do
-          pad_type = Emily.Backend.window_scatter_pad_type(x.type, init.type)
-          {slot, st} = operand(x, pad_type, st)
-          {value, st} = operand(init, pad_type, st)
-          emit(st, :pad, [slot, value, lo, hi, zeros])
-        else
-          lower_node(x, st)
-        end
-
-      {source, st} = operand(source, type, st)
-      {init, st} = operand(init, type, st)
-      args = [slot, source, init, Tuple.to_list(window), opts[:strides], zeros, zeros]
-      {y, st} = emit(st, op, args)
-
-      if padded? do
-        stops = Enum.zip_with(lo, Tuple.to_list(x.shape), &(&1 + &2))
-        emit(st, :slice, [y, lo, stops, List.duplicate(1, rank)])
-      else
-        {y, st}
-      end
-    end
-
-    # (Emily.Backend computes a complex convolution as four real ones: not lowered.)
-    def lower_op(:conv, [x, kernel, opts], %T{type: type}, st) when elem(type, 0) != :c do
-      {x, st} = operand(x, type, st)
-      {w, st} = operand(kernel, type, st)
-      emit(st, :conv, [x, w | Emily.Backend.Ops.conv_args(opts)])
-    end
-
-    def lower_op(op, [x, opts], %T{type: type}, st) when op in [:sort, :argsort] do
-      {slot, st} = lower_node(x, st)
-      {y, st} = emit(st, op, [slot, opts[:axis], opts[:direction] == :desc])
-      if op == :argsort, do: emit(st, :astype, [y, type]), else: {y, st}
-    end
-
-    def lower_op(:put_slice, [x, starts, update], %T{type: type, shape: shape}, st) do
-      {slot, st} = operand(x, type, st)
-
-      if Nx.size(update.shape) == 0 do
-        {slot, st}
-      else
-        {u, st} = operand(update, type, st)
-
-        case known_starts(starts, st) do
-          {:ok, starts, st} ->
-            lengths = Tuple.to_list(update.shape)
-            starts = clamp_starts(shape, starts, lengths)
-            stops = Enum.zip_with(starts, lengths, &(&1 + &2))
-            ones = List.duplicate(1, tuple_size(shape))
-            emit(st, :slice_update, [slot, u, starts, stops, ones])
-
-          {:dynamic, st} ->
-            {starts, st} = starts_vector(starts, st)
-            emit(st, :slice_update_dynamic, [slot, u, starts, all_axes(shape)])
-        end
-      end
-    end
-
-    # Indices run as Emily.Backend runs them without :debug_bounds_check (reads clamp,
-    # out-of-range writes drop); with it, the backend checks them on the host between
-    # ops, which a program cannot.
-    def lower_op(:gather, [x, indices, opts], _t, st) do
-      unless_bounds_checked(:gather)
-      {x, st} = lower_node(x, st)
-      {i, st} = lower_node(indices, st)
-      emit(st, :gather, [x, i, opts[:axes]])
-    end
-
-    def lower_op(op, [x, indices, updates, opts], %T{type: type}, st)
-        when is_map_key(@scatter, op) do
-      unless_bounds_checked(op)
-      {x, st} = operand(x, type, st)
-      {i, st} = lower_node(indices, st)
-      {u, st} = operand(updates, type, st)
-      emit(st, Map.fetch!(@scatter, op), [x, i, u, opts[:axes]])
-    end
-
-    def lower_op(:block, [%struct{axis: axis}, [x, indices], _default, _fun], _t, st)
-        when is_map_key(@take, struct) do
-      op = Map.fetch!(@take, struct)
-      unless_bounds_checked(op)
-      {x, st} = lower_node(x, st)
-      {i, st} = lower_node(indices, st)
-      emit(st, op, [x, i, axis])
-    end
-
-    # (MLX keeps 8- and 16-bit integer types in its scans; Nx's type is the node's.)
-    def lower_op(:block, [%struct{axis: axis, reverse: reverse}, [x], _default, _fun], t, st)
-        when is_map_key(@scan, struct) do
-      {x, st} = operand(x, t.type, st)
-      {y, st} = emit(st, Map.fetch!(@scan, struct), [x, axis, reverse, true])
-      emit(st, :astype, [y, t.type])
     end
 
     def lower_op(:block, [%Nx.Block.LogicalNot{}, [x], _default, _fun], t, st) do
@@ -576,32 +407,6 @@ if Code.ensure_loaded?(Nx) do
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
-    defp axes(%T{shape: shape}, nil), do: all_axes(shape)
-    defp axes(_x, axes), do: axes
-
-    defp all_axes(shape), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
-
-    defp clamp_starts(shape, starts, lengths) do
-      [Tuple.to_list(shape), starts, lengths]
-      |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
-    end
-
-    # The ops of a reduce's function that is one of Emily.Backend.Ops.reduce_funs/0 on
-    # its two parameters; any other function is not lowered.
-    defp reduce_fun(%T{data: %Expr{op: :fun, args: [[a, b], body, _mfa]}}, op) do
-      case body do
-        %T{data: %Expr{op: fun, args: [x, y]}} when is_map_key(@reduce_funs, fun) ->
-          if Enum.sort([id(x), id(y)]) == Enum.sort([id(a), id(b)]),
-            do: Map.fetch!(@reduce_funs, fun),
-            else: throw({:unsupported, {op, :function}})
-
-        _ ->
-          throw({:unsupported, {op, :function}})
-      end
-    end
-
-    defp id(%T{data: %Expr{id: id}}), do: id
-
     # `part` with each value within `tol` of zero set to `zero`, as `type`.
     defp clean(part, zero, tol, type, st) do
       {magnitude, st} = emit(st, :abs, [part])
@@ -648,55 +453,5 @@ if Code.ensure_loaded?(Nx) do
 
     defp int_limit(st, :max, {:s, bits} = type),
       do: emit(st, :full, [{}, 2 ** (bits - 1) - 1, type])
-
-    # Start indices as numbers, where each is a number or a tensor computed from
-    # constants alone (an unrolled loop's counter): computed now. {:dynamic, st} where
-    # one reads an input.
-    defp known_starts(starts, st) do
-      {slots, st} =
-        Enum.map_reduce(starts, st, fn
-          i, st when is_integer(i) ->
-            {i, st}
-
-          %T{} = t, st ->
-            {slot, st} = lower_node(t, st)
-            {{:slot, slot}, st}
-        end)
-
-      if Enum.all?(slots, &(is_integer(&1) or MapSet.member?(st.const, elem(&1, 1)))) do
-        {starts, st} =
-          Enum.map_reduce(slots, st, fn
-            i, st when is_integer(i) ->
-              {i, st}
-
-            {:slot, slot}, st ->
-              {value, st} = constant_value(slot, st)
-              {hd(Emily.to_list(value)), st}
-          end)
-
-        {:ok, starts, st}
-      else
-        {:dynamic, st}
-      end
-    end
-
-    # One s64 vector of start indices, integers and scalar tensors alike.
-    defp starts_vector(starts, st) do
-      {parts, st} =
-        Enum.map_reduce(starts, st, fn
-          i, st when is_integer(i) ->
-            emit(st, :full, [{1}, i, {:s, 64}])
-
-          %T{} = t, st ->
-            {slot, st} = operand(t, {:s, 64}, st)
-            emit(st, :reshape, [slot, {1}])
-        end)
-
-      emit(st, :concatenate, [parts, 0])
-    end
-
-    defp unless_bounds_checked(op) do
-      if Emily.Debug.bounds_check?(), do: throw({:unsupported, {:debug_bounds_check, op}})
-    end
   end
 end

@@ -84,17 +84,6 @@ if Code.ensure_loaded?(Nx) do
       {{:loop, initial_plan, condition_plan, step, rest}, lowered}
     end
 
-    defp step(arg, condition, body, opts) do
-      then = {flat(arg), condition}
-
-      lowered =
-        lowering([arg], body, opts |> Keyword.put(:hosted, []) |> Keyword.put(:then, then))
-
-      {:fused, {:program, program(lowered, opts), lowered.extras}}
-    catch
-      {:host, _} -> {:body, elem(plan([arg], body, opts, []), 0)}
-    end
-
     # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): its callback (the
     # `:hooks` given for its name, else its own) called with the data as Nx tensors;
     # the rest reads the data.
@@ -129,6 +118,18 @@ if Code.ensure_loaded?(Nx) do
       end
 
       call(node, data, call, length(Composite.flatten_list([template])), at)
+    end
+
+    # A pass of a loop that runs on the host (see host/2).
+    defp step(arg, condition, body, opts) do
+      then = {flat(arg), condition}
+
+      lowered =
+        lowering([arg], body, opts |> Keyword.put(:hosted, []) |> Keyword.put(:then, then))
+
+      {:fused, {:program, program(lowered, opts), lowered.extras}}
+    catch
+      {:host, _} -> {:body, elem(plan([arg], body, opts, []), 0)}
     end
 
     # `{:call, data, call, rest}`: the plan of the data, the call, the plan of the rest.
