@@ -1,7 +1,7 @@
 if Code.ensure_loaded?(Nx) do
   defmodule Emily.Backend do
     # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: f64 falls back.
-    @f64_imprecise [:exp, :sin, :cos, :erf, :erfc, :sigmoid]
+    @f64_imprecise Emily.Backend.Ops.f64_imprecise()
 
     @moduledoc """
     An `Nx.Backend` on MLX: Nx tensors held in MLX arrays, Nx ops run as MLX ops.
@@ -1096,7 +1096,7 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_block(%Nx.Block.AllClose{} = o, %T{type: type} = out, [a, b]) do
       s = stream([a, b], a.type)
-      x = N.allclose(s, ref(a, s), ref(b, s), o.rtol, o.atol, o.equal_nan)
+      x = N.allclose(s, ref(a, s), ref(b, s), o.rtol, o.atol, !!o.equal_nan)
       wrap(N.astype(s, x, type), out, s)
     end
 

@@ -25,7 +25,8 @@ if Code.ensure_loaded?(Nx) do
 
       * parameters, constants, captured tensors, `iota` and `eye`;
       * elementwise unary and binary ops (comparisons and logical ops give Nx's u8;
-        `erf_inv` as `Emily.Backend` computes it), `select`, `clip`, `bitcast`,
+        `erf_inv` as `Emily.Backend` computes it; on f64 not those `Emily.Backend`
+        computes on `Nx.BinaryBackend` for accuracy), `select`, `clip`, `bitcast`,
         `real`, `imag`, `conjugate`, and `as_type` (float to integer as Nx converts:
         truncation, NaN to 0, infinities to the type's limits; not from complex);
       * `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `pad`, `slice` and

@@ -385,6 +385,20 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_number(out) == 4
     end
 
+    test "on f64, the ops MLX computes with f32 accuracy fall back, and match Nx.BinaryBackend" do
+      x = Nx.tensor([8.11717155751262, -0.5, 3.0], type: :f64)
+
+      for fun <- [&Nx.exp/1, &Nx.sin/1, &Nx.sigmoid/1, &Nx.divide(2, Nx.exp(&1))] do
+        {out, fallbacks} = with_fallbacks(fn -> ejit(fun, native: true).(x) end)
+
+        if Emily.default_device() == :cpu,
+          do: assert([%{reason: {:f64_imprecise, _}}] = fallbacks),
+          else: assert([%{reason: {:type, {:f, 64}}}] = fallbacks)
+
+        assert_same(out, Nx.with_default_backend(Nx.BinaryBackend, fn -> fun.(x) end))
+      end
+    end
+
     test "metadata around a tuple" do
       check_paths(&wrapped/1, [O.tensor({2}, {:f, 32})])
     end

@@ -59,6 +59,10 @@ defmodule Emily.Backend.Ops do
     less_equal: :less_equal
   }
 
+  # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: on f64, Emily
+  # computes them on Nx.BinaryBackend (and the native path does not lower them).
+  @f64_imprecise [:exp, :sin, :cos, :erf, :erfc, :sigmoid]
+
   # Nx's tie_break: :low takes the first of equal values, :high the last.
   @arg_reduce %{argmax: {:argmax, :argmax_last}, argmin: {:argmin, :argmin_last}}
 
@@ -117,6 +121,9 @@ defmodule Emily.Backend.Ops do
 
   @doc "Nx op of a reduce function => `{reduction, window reduction, combining op}`."
   def reduce_funs, do: @reduce_funs
+
+  @doc "The Nx ops MLX computes with f32 accuracy on f64."
+  def f64_imprecise, do: @f64_imprecise
 
   @doc "argmax/argmin => `{Native op for tie_break: :low, for tie_break: :high}`."
   def arg_reduce, do: @arg_reduce

@@ -15,6 +15,7 @@ if Code.ensure_loaded?(Nx) do
       only: [lower_node: 2, emit: 3, operand: 3, checked: 4, axes: 2]
 
     @unary Emily.Backend.Ops.unary()
+    @f64_imprecise Emily.Backend.Ops.f64_imprecise()
 
     # Nx's remainder has the dividend's sign and its quotient truncates.
     @binary Map.merge(Emily.Backend.Ops.arith(), %{remainder: :fmod, quotient: :trunc_divide})
@@ -85,6 +86,11 @@ if Code.ensure_loaded?(Nx) do
         emit(st, :broadcast_to, [x, shape])
       end
     end
+
+    # (On f64, those MLX computes with f32 accuracy run on the evaluator path, where
+    # Emily.Backend computes them on Nx.BinaryBackend.)
+    def lower_op(op, [_x], %T{type: {:f, 64}}, _st) when op in @f64_imprecise,
+      do: throw({:unsupported, {:f64_imprecise, op}})
 
     def lower_op(op, [x], %T{type: type}, st) when is_map_key(@unary, op) do
       {x, st} = operand(x, type, st)
