@@ -399,6 +399,19 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    # Literals (typed s32 by Nx, so cut to 32 bits) and 64-bit constants.
+    defn big_constants(u, s) do
+      {u + 4_607_182_418_800_017_408, Nx.bitwise_and(s, -4_611_686_018_427_387_905),
+       s - 9_007_199_254_740_993, u + Nx.tensor(4_607_182_418_800_017_408, type: :u64),
+       s + Nx.tensor(-4_611_686_018_427_387_905, type: :s64)}
+    end
+
+    test "64-bit integer constants a double does not hold" do
+      u = Nx.tensor([0, 1, 2], type: :u64)
+      s = Nx.tensor([-1, 5, 9_223_372_036_854_775_807], type: :s64)
+      check_paths(&big_constants/2, [u, s])
+    end
+
     test "metadata around a tuple" do
       check_paths(&wrapped/1, [O.tensor({2}, {:f, 32})])
     end

@@ -53,6 +53,33 @@ if Code.ensure_loaded?(Nx) do
     def lower_op(:parameter, [i], _t, st), do: {i, st}
     def lower_op(:metadata, [expr, _meta], _t, st), do: lower_node(expr, st)
 
+    # An integer beyond what a double holds exactly: as Nx writes it into its type, its
+    # two's complement bits cut to the type's width (Nx types a literal as s32 by
+    # default); 64 bits are built from their two 32-bit halves.
+    def lower_op(:constant, [v], %T{type: {kind, bits} = type, shape: shape}, st)
+        when is_integer(v) and abs(v) >= @max_exact and kind in [:s, :u] do
+      wrapped = Bitwise.band(v, Bitwise.bsl(1, bits) - 1)
+
+      {x, st} =
+        if bits < 64 do
+          signed =
+            if kind == :s and wrapped >= Bitwise.bsl(1, bits - 1),
+              do: wrapped - Bitwise.bsl(1, bits),
+              else: wrapped
+
+          emit(st, :full, [{}, signed, type])
+        else
+          {hi, st} = emit(st, :full, [{}, Bitwise.bsr(wrapped, 32), {:u, 64}])
+          {shift, st} = emit(st, :full, [{}, 32, {:u, 64}])
+          {hi, st} = emit(st, :left_shift, [hi, shift])
+          {lo, st} = emit(st, :full, [{}, Bitwise.band(wrapped, 0xFFFF_FFFF), {:u, 64}])
+          {x, st} = emit(st, :bitwise_or, [hi, lo])
+          if kind == :s, do: emit(st, :view, [x, type]), else: {x, st}
+        end
+
+      emit(st, :broadcast_to, [x, shape])
+    end
+
     def lower_op(:constant, [value], %T{type: type, shape: shape}, st) do
       value =
         case value do
