@@ -153,7 +153,7 @@ if Code.ensure_loaded?(Nx) do
 
       checks = Enum.reverse(st.checks)
 
-      fold_constants(%{
+      lowered = %{
         instrs: Enum.reverse(st.instrs),
         inputs: params + length(extras),
         outputs: slots ++ Enum.map(checks, &elem(&1, 0)),
@@ -161,7 +161,9 @@ if Code.ensure_loaded?(Nx) do
         template: template,
         checks: Enum.map(checks, fn {_slot, op, t} -> {op, t} end),
         device: device
-      })
+      }
+
+      fold_constants(lowered, st)
     end
 
     # The condition over the outputs: a walk of its own, from only the captured tensors
@@ -177,28 +179,22 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # Instructions that read no input, directly or through others (constants, iotas and
-    # what is computed from them alone), give the same values on every run. They run
-    # once, here, and the program reads each value it needs as one more input (an
-    # evaluated array, as Python MLX's scalar operands are): left in, each would cost
-    # every run a step of MLX's evaluation, a hand-off to the stream's thread. A value
-    # over @max_folded bytes is not kept (the compiled function would hold it): the
-    # instruction stays in the program, reading the folded values it needs. The lowering
-    # emits one slot per instruction. If MLX rejects the constant part, nothing is
-    # folded, so that the error comes from the run, naming its instruction.
+    # what is computed from them alone: `st.const`, kept by `emit/3`), give the same
+    # values on every run. They run once, here (`constant_values/2`, which also computes
+    # loop conditions and start indices, and keeps what it computed), and the program
+    # reads each value it needs as one more input (an evaluated array, as Python MLX's
+    # scalar operands are): left in, each would cost every run a step of MLX's
+    # evaluation, a hand-off to the stream's thread. A value over @max_folded bytes is
+    # not kept (the compiled function would hold it): the instruction stays in the
+    # program, reading the folded values it needs. The lowering emits one slot per
+    # instruction. If MLX rejects the constant part, nothing is folded, so that the
+    # error comes from the run, naming its instruction.
     @max_folded 1_048_576
 
-    defp fold_constants(lowered, kept \\ MapSet.new()) do
-      %{instrs: instrs, inputs: n, outputs: outputs, device: device} = lowered
-      indexed = Enum.with_index(instrs, n)
-
-      const =
-        Enum.reduce(indexed, MapSet.new(), fn {instr, slot}, const ->
-          if slot in kept or not Enum.all?(Emily.Program.input_slots(instr), &(&1 in const)),
-            do: const,
-            else: MapSet.put(const, slot)
-        end)
-
-      {folded, live} = Enum.split_with(indexed, fn {_instr, slot} -> slot in const end)
+    defp fold_constants(lowered, st, kept \\ MapSet.new()) do
+      %{instrs: instrs, inputs: n, outputs: outputs} = lowered
+      const = MapSet.difference(st.const, kept)
+      {folded, live} = instrs |> Enum.with_index(n) |> Enum.split_with(&(elem(&1, 1) in const))
 
       needed =
         live
@@ -208,24 +204,21 @@ if Code.ensure_loaded?(Nx) do
         |> Enum.uniq()
 
       with [_ | _] <- folded,
-           {:ok, values} <- run_folded(folded, needed, device) do
+           {:ok, values, st} <- folded_values(needed, st) do
         case for {slot, v} <- Enum.zip(needed, values), Emily.nbytes(v) > @max_folded, do: slot do
           [] -> refold(lowered, live, needed, values)
-          big -> fold_constants(lowered, MapSet.union(kept, MapSet.new(big)))
+          big -> fold_constants(lowered, st, MapSet.union(kept, MapSet.new(big)))
         end
       else
         _ -> lowered
       end
     end
 
-    defp run_folded(folded, needed, device) do
-      index = folded |> Enum.with_index(fn {_instr, slot}, i -> {slot, i} end) |> Map.new()
-      slot = &Map.fetch!(index, &1)
-      instrs = Enum.map(folded, fn {instr, _} -> Emily.Program.map_slots(instr, slot) end)
-      program = Emily.Program.new(instrs, inputs: 0, outputs: Enum.map(needed, slot))
-      {:ok, Emily.Program.eval(program, [], stream: Emily.Stream.default(device))}
-    rescue
-      Emily.Error -> :error
+    defp folded_values(needed, st) do
+      {values, st} = constant_values(needed, st)
+      {:ok, values, st}
+    catch
+      {:unsupported, {:folding, _}} -> :error
     end
 
     # The program without the folded instructions: inputs, then the folded values it
@@ -388,26 +381,40 @@ if Code.ensure_loaded?(Nx) do
     def flat(tuple) when is_tuple(tuple), do: Tuple.to_list(tuple)
     def flat(%T{} = t), do: [t]
 
-    # The value of the constant `slot`, computed now, with the constants it is made of
-    # (each kept, so that the next pass's condition starts from them).
+    # The value of the constant `slot`, computed now (see `constant_values/2`).
     @doc false
     def constant_value(slot, st) do
-      needed = needed_constants([slot], st, MapSet.new()) |> Enum.sort()
+      {[value], st} = constant_values([slot], st)
+      {value, st}
+    end
 
-      known =
-        needed
-        |> Enum.flat_map(&Emily.Program.input_slots(Map.fetch!(st.instr_at, &1)))
-        |> Enum.filter(&Map.has_key?(st.values, &1))
-        |> Enum.uniq()
+    # The values of the constant `slots`, computed now, with the constants they are
+    # made of (each kept in `st.values`, so that a later computation, the next pass's
+    # condition or the folding, starts from them).
+    defp constant_values(slots, st) do
+      needed = needed_constants(slots, st, MapSet.new()) |> Enum.sort()
 
-      index = Map.new(Enum.with_index(known ++ needed))
-      at = &Map.fetch!(index, &1)
-      instrs = Enum.map(needed, &Emily.Program.map_slots(Map.fetch!(st.instr_at, &1), at))
-      program = Emily.Program.new(instrs, inputs: length(known), outputs: Enum.map(needed, at))
-      inputs = Enum.map(known, &Map.fetch!(st.values, &1))
-      values = Emily.Program.eval(program, inputs, stream: Emily.Stream.default(st.device))
-      st = %{st | values: Map.merge(st.values, Map.new(Enum.zip(needed, values)))}
-      {Map.fetch!(st.values, slot), st}
+      st =
+        if needed == [] do
+          st
+        else
+          known =
+            needed
+            |> Enum.flat_map(&Emily.Program.input_slots(Map.fetch!(st.instr_at, &1)))
+            |> Enum.filter(&Map.has_key?(st.values, &1))
+            |> Enum.uniq()
+
+          index = Map.new(Enum.with_index(known ++ needed))
+          at = &Map.fetch!(index, &1)
+          instrs = Enum.map(needed, &Emily.Program.map_slots(Map.fetch!(st.instr_at, &1), at))
+          outputs = Enum.map(needed, at)
+          program = Emily.Program.new(instrs, inputs: length(known), outputs: outputs)
+          inputs = Enum.map(known, &Map.fetch!(st.values, &1))
+          values = Emily.Program.eval(program, inputs, stream: Emily.Stream.default(st.device))
+          %{st | values: Map.merge(st.values, Map.new(Enum.zip(needed, values)))}
+        end
+
+      {Enum.map(slots, &Map.fetch!(st.values, &1)), st}
     rescue
       # (MLX rejected the constants: the graph runs on the evaluator, which says why.)
       e in Emily.Error -> throw({:unsupported, {:folding, Exception.message(e)}})
