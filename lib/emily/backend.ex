@@ -444,15 +444,9 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp static_slice(s, x, shape, starts, lengths, strides) do
-      starts = clamp_starts(shape, starts, lengths)
       # Nx's lengths count input elements; the output has ceil(len / stride) of them.
-      stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+      {starts, stops} = Emily.Backend.Ops.slice_bounds(shape, starts, lengths)
       N.slice(s, x, starts, stops, strides)
-    end
-
-    defp clamp_starts(shape, starts, lengths) do
-      [Tuple.to_list(shape), starts, lengths]
-      |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
     end
 
     defp n_put_slice(%T{type: type} = out, %T{shape: shape} = t, starts, %T{} = update) do
@@ -466,8 +460,7 @@ if Code.ensure_loaded?(Nx) do
 
         Enum.all?(starts, &is_integer/1) ->
           lens = Tuple.to_list(update.shape)
-          starts = clamp_starts(shape, starts, lens)
-          stops = Enum.zip_with(starts, lens, &(&1 + &2))
+          {starts, stops} = Emily.Backend.Ops.slice_bounds(shape, starts, lens)
           ones = List.duplicate(1, tuple_size(shape))
           wrap(N.slice_update(s, x, u, starts, stops, ones), out, s)
 

@@ -65,10 +65,10 @@ if Code.ensure_loaded?(Nx) do
     A graph with anything else (a hook, a runtime call, or a `while` whose condition
     reads an input, inside a conditional, a block or an unrolled loop; `reduce` and
     `window_reduce` with another function, complex constants and convolutions, the
-    other linear algebra, other types, vectorized tensors) runs whole on the evaluator path and emits
-    `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
-    (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error
-    while lowering a graph it traced, a bug, falls back too, as
+    other linear algebra, other types, vectorized tensors) runs whole on the evaluator
+    path and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
+    `%{reason: reason}` (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`,
+    ...; an error while lowering a graph it traced, a bug, falls back too, as
     `{:lowering_failed, exception, message}`); the graph is not lowered again.
 
     What reads no input (constants, iotas and what is computed from them alone, such

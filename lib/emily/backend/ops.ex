@@ -109,6 +109,18 @@ defmodule Emily.Backend.Ops do
       [opts[:output_permutation] || []]
   end
 
+  @doc """
+  The `{starts, stops}` of a slice of `lengths` at numeric `starts` in `shape`, each
+  start clamped so that the slice fits, as Nx clamps it.
+  """
+  def slice_bounds(shape, starts, lengths) do
+    starts =
+      [Tuple.to_list(shape), starts, lengths]
+      |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
+
+    {starts, Enum.zip_with(starts, lengths, &(&1 + &2))}
+  end
+
   # A reduce or window_reduce whose function is one of these Nx ops on its two
   # arguments: the reduction, the window reduction, and the op combining the result
   # with the accumulator.

@@ -29,8 +29,7 @@ if Code.ensure_loaded?(Nx) do
 
       case known_starts(starts, st) do
         {:ok, starts, st} ->
-          starts = clamp_starts(x.shape, starts, lengths)
-          stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+          {starts, stops} = Emily.Backend.Ops.slice_bounds(x.shape, starts, lengths)
           emit(st, :slice, [slot, starts, stops, strides])
 
         {:dynamic, st} ->
@@ -151,8 +150,7 @@ if Code.ensure_loaded?(Nx) do
         case known_starts(starts, st) do
           {:ok, starts, st} ->
             lengths = Tuple.to_list(update.shape)
-            starts = clamp_starts(shape, starts, lengths)
-            stops = Enum.zip_with(starts, lengths, &(&1 + &2))
+            {starts, stops} = Emily.Backend.Ops.slice_bounds(shape, starts, lengths)
             ones = List.duplicate(1, tuple_size(shape))
             emit(st, :slice_update, [slot, u, starts, stops, ones])
 
@@ -203,11 +201,6 @@ if Code.ensure_loaded?(Nx) do
     def lower_op(:block, args, t, st), do: Control.lower_op(:block, args, t, st)
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
-
-    defp clamp_starts(shape, starts, lengths) do
-      [Tuple.to_list(shape), starts, lengths]
-      |> Enum.zip_with(fn [dim, start, len] -> start |> max(0) |> min(dim - len) end)
-    end
 
     # The ops of a reduce's function that is one of Emily.Backend.Ops.reduce_funs/0 on
     # its two parameters; any other function is not lowered.

@@ -26,6 +26,9 @@ if Code.ensure_loaded?(Nx) do
 
     @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
+    # Shape ops of a tensor and a list of axes.
+    @axes_ops %{squeeze: :squeeze, transpose: :transpose, reverse: :flip}
+
     @scan Emily.Backend.Ops.scan()
     @take Emily.Backend.Ops.take()
 
@@ -289,19 +292,9 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :reshape, [x, shape])
     end
 
-    def lower_op(:squeeze, [x, axes], _t, st) do
+    def lower_op(op, [x, axes], _t, st) when is_map_key(@axes_ops, op) do
       {x, st} = lower_node(x, st)
-      emit(st, :squeeze, [x, axes])
-    end
-
-    def lower_op(:transpose, [x, axes], _t, st) do
-      {x, st} = lower_node(x, st)
-      emit(st, :transpose, [x, axes])
-    end
-
-    def lower_op(:reverse, [x, axes], _t, st) do
-      {x, st} = lower_node(x, st)
-      emit(st, :flip, [x, axes])
+      emit(st, Map.fetch!(@axes_ops, op), [x, axes])
     end
 
     def lower_op(:broadcast, [x, shape, axes], %T{type: type}, st) do
