@@ -180,19 +180,14 @@ defmodule Bench.Defn do
     emily_args = Enum.map(args, &Nx.backend_copy(&1, Emily.Backend))
 
     paths = [
-      {"evaluator", Nx.Defn.jit(fun, compiler: Emily.Compiler)},
-      {"native", Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true)},
+      {"evaluator", Nx.Defn.jit(fun, compiler: Emily.Compiler, native: false)},
+      {"native", Nx.Defn.jit(fun, compiler: Emily.Compiler)},
       # The same program, compiled ahead with `Nx.Defn.compile/3`: no per-call lookup.
       {"native, Nx.Defn.compile",
-       Nx.Defn.compile(fun, Enum.map(args, &Nx.to_template/1),
-         compiler: Emily.Compiler,
-         native: true
-       )},
-      {"native, mx::compile",
-       Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, compile: true)},
+       Nx.Defn.compile(fun, Enum.map(args, &Nx.to_template/1), compiler: Emily.Compiler)},
+      {"native, mx::compile", Nx.Defn.jit(fun, compiler: Emily.Compiler, compile: true)},
       # What every call cost before lowered programs were kept: trace, lower, run.
-      {"native, cache: false",
-       Nx.Defn.jit(fun, compiler: Emily.Compiler, native: true, cache: false)}
+      {"native, cache: false", Nx.Defn.jit(fun, compiler: Emily.Compiler, cache: false)}
     ]
 
     expected =

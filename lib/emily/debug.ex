@@ -17,11 +17,11 @@ defmodule Emily.Debug do
 
     * `:debug_bounds_check`: `Emily.Backend` calls `check_bounds/4` on the indices of
       `Nx.take/3`, `Nx.take_along_axis/3`, `Nx.gather/3`, `Nx.indexed_add/4` and
-      `Nx.indexed_put/4` before the op, so also under `Emily.Compiler` (these ops run
-      on its evaluator path). An index is out of range when it is negative (Nx does not
-      wrap indices around) or not below the size of the axis it addresses; the indices of
-      gather and the indexed ops, `{..., k}`, are checked column by column against the
-      `k` axes they address. Without the flag, Emily clamps read indices into range and
+      `Nx.indexed_put/4` before the op, so also under `Emily.Compiler` (with the flag,
+      its native path leaves graphs with these ops to its evaluator path). An index is
+      out of range when it is negative (Nx does not wrap indices around) or not below
+      the size of the axis it addresses; the indices of gather and the indexed ops,
+      `{..., k}`, are checked column by column against the `k` axes they address. Without the flag, Emily clamps read indices into range and
       drops writes at out-of-range indices (MLX itself does not check). Slices with
       tensor start indices are not checked: Nx clamps their starts by definition.
     * `:debug_detect_nan_inf`: `check_finite/3` runs on the result of every `Nx.dot/2`

@@ -90,6 +90,15 @@ if Code.ensure_loaded?(Nx) do
        Nx.real(x), Nx.abs(Nx.ifft(z, eps: 1.0e-3))}
     end
 
+    # Complex constants: literals, a real literal of a complex type, infinite and NaN
+    # parts.
+    defn complex_constants(x, z) do
+      {x * Complex.new(0.0, 1.0) + Complex.new(-2.5, 0.25), z - 3.0,
+       Nx.exp(Complex.new(0.0, 0.5) * z),
+       Nx.select(x > 0, Complex.new(:infinity, -1.0), Complex.new(1.0, :nan)),
+       Nx.broadcast(Complex.new(:neg_infinity, :infinity), {2})}
+    end
+
     # Loops of a number of passes known when the graph is lowered: over a range, over a
     # tensor's rows, nested, with a body that reads the input.
     defn loops(x, w) do
@@ -168,6 +177,22 @@ if Code.ensure_loaded?(Nx) do
       x + while(i = 0, i < 2000, do: i + 1)
     end
 
+    # 600 passes of a body of nine instructions: more than the lowering unrolls.
+    defn long_body(x) do
+      {y, _i} =
+        while {y = x, i = 0}, i < 600 do
+          {Nx.sin(y) * 0.9 + Nx.cos(y) * 0.1 - i / 1000, i + 1}
+        end
+
+      y
+    end
+
+    # Such a loop inside an unrolled one.
+    defn long_in_short(x) do
+      {y, _j} = while({y = x, j = 0}, j < 2, do: {long_body(y), j + 1})
+      y
+    end
+
     defn random(key) do
       {u, key} = Nx.Random.uniform_split(key, -1.0, 1.0, shape: {3, 4}) |> then(&{&1, key})
       normal = Nx.Random.normal_split(key, 0.0, 2.0, shape: {5})
@@ -242,7 +267,7 @@ if Code.ensure_loaded?(Nx) do
           apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
         end)
 
-      assert_same(apply(ejit(fun), args), expected, opts)
+      assert_same(apply(ejit(fun, native: false), args), expected, opts)
 
       for out <- native_results(fun, args), do: assert_same(out, expected, opts)
     end
@@ -355,6 +380,12 @@ if Code.ensure_loaded?(Nx) do
       x = O.tensor({2, 4}, {:f, 32})
       z = Nx.complex(O.tensor({3, 4}, {:f, 32}), O.tensor({3, 4}, {:f, 32}))
       check_paths(&spectra/2, [x, z])
+    end
+
+    test "complex constants" do
+      x = O.tensor({3, 4}, {:f, 32})
+      z = Nx.complex(O.tensor({3, 4}, {:f, 32}), O.tensor({3, 4}, {:f, 32}))
+      check_paths(&complex_constants/2, [x, z])
     end
 
     test "erf_inv (Nx's formula on the CPU) and bitcast" do
@@ -544,7 +575,7 @@ if Code.ensure_loaded?(Nx) do
       end
 
       # The native path, and the evaluator path.
-      for path <- [[native: true], []] do
+      for path <- [[], [native: false]] do
         cached = ejit(fun, path)
         assert Nx.to_flat_list(cached.(Nx.tensor([1.0, 2.0]))) == [4.0, 6.0]
         assert Nx.to_flat_list(cached.(Nx.tensor([3.0, 4.0]))) == [8.0, 10.0]
@@ -580,7 +611,7 @@ if Code.ensure_loaded?(Nx) do
 
       # Both paths, on a fresh stream each, in a process whose results die with it.
       Task.async(fn ->
-        for path <- [[native: true], []] do
+        for path <- [[], [native: false]] do
           s = Emily.Stream.new(:cpu)
 
           assert Nx.to_flat_list(ejit(&softmax/1, [stream: s] ++ path).(Nx.tensor([0.0, 0.0]))) ==
@@ -627,10 +658,43 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_flat_list(out) == [127.0, 191.0]
     end
 
-    test "a while of more passes than the lowering unrolls falls back" do
-      {out, fallbacks} = with_fallbacks(fn -> ejit(&count_to/1, native: true).(1) end)
-      assert [%{reason: {:while, {:more_passes_than, 1024}}}] = fallbacks
-      assert Nx.to_number(out) == 2001
+    test "a while longer than the lowering unrolls runs on the host" do
+      for compile <- [false, true] do
+        jit = ejit(&count_to/1, native: true, compile: compile)
+        {out, fallbacks} = with_fallbacks(fn -> jit.(1) end)
+        assert debug_fallbacks?(fallbacks)
+        assert Nx.to_number(out) == 2001
+        # (Under :debug_detect_nan_inf, whose checks run per op, host steps fall back.)
+        if fallbacks == [], do: assert({:loop, _, _, _, _} = plan_of(jit, [1]))
+      end
+
+      x = Nx.tensor([0.5, -1.0, 2.0])
+      check_paths(&long_body/1, [x], tol: {1.0e-5, 1.0e-5})
+
+      unless Emily.Debug.detect_nan_inf?(),
+        do: assert({:loop, _, _, _, _} = plan_of(ejit(&long_body/1, native: true), [x]))
+    end
+
+    test "a loop too long to unroll inside an unrolled one falls back" do
+      x = Nx.tensor([0.5, -1.0])
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&long_in_short/1, native: true).(x) end)
+      assert [%{reason: {:while, {:unrolls_beyond, 1024, 4096}}}] = fallbacks
+
+      expected =
+        Nx.with_default_backend(Nx.BinaryBackend, fn ->
+          Nx.Defn.jit(&long_in_short/1, compiler: Nx.Defn.Evaluator).(x)
+        end)
+
+      assert_same(out, expected, tol: {1.0e-5, 1.0e-5})
+    end
+
+    # The plan a native jit function runs for `args` (a second call finds it in the
+    # cache, and leaves it in the process's dictionary).
+    defp plan_of(jit, args) do
+      apply(jit, args)
+      apply(jit, args)
+      {_key, {:ok, {plan, _template, _checks}}} = Process.get({Emily.Compiler, :last_used})
+      plan
     end
 
     test "float to integer as_type: truncation, NaN to 0, infinities to the type's limits" do
@@ -640,9 +704,20 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_flat_list(s32) == [1, -4, 6, 92, 0, 2_147_483_647, -2_147_483_648]
     end
 
-    test "the evaluator stays the default" do
-      {_out, fallbacks} = with_fallbacks(fn -> ejit(&powers/1).(Nx.tensor([1.0])) end)
+    test "the native path is the default; native: false takes the evaluator path" do
+      x = Nx.tensor([1.0, 2.0])
+      assert {:program, _, _} = plan_of(ejit(&powers/1), [x])
+
+      # A graph the native path does not lower: tried (and declined) by default, not
+      # with native: false.
+      assert {_, [%{reason: {:reduce, :function}}]} =
+               with_fallbacks(fn -> ejit(&other_fold/1).(Nx.tensor([1, 2])) end)
+
+      {out, fallbacks} =
+        with_fallbacks(fn -> ejit(&other_fold/1, native: false).(Nx.tensor([1, 2])) end)
+
       assert fallbacks == []
+      assert Nx.to_number(out) == 4
     end
   end
 else

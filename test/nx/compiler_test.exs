@@ -62,7 +62,7 @@ if Code.ensure_loaded?(Nx) do
           apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
         end)
 
-      actual = apply(ejit(fun), args)
+      actual = apply(ejit(fun, native: false), args)
       assert_same(actual, expected, opts)
       actual
     end
@@ -94,16 +94,22 @@ if Code.ensure_loaded?(Nx) do
       end
 
       test "results are Emily tensors; other backends' inputs are copied in" do
-        out = ejit(&softmax/1).(Nx.iota({2, 3}, type: :f32, backend: Nx.BinaryBackend))
-        assert %Emily.Backend{} = out.data
+        for native <- [false, true] do
+          jit = ejit(&softmax/1, native: native)
+          out = jit.(Nx.iota({2, 3}, type: :f32, backend: Nx.BinaryBackend))
+          assert %Emily.Backend{} = out.data
 
-        emily_in = emily(Nx.iota({2, 3}, type: :f32, backend: Nx.BinaryBackend))
-        assert %Emily.Backend{} = ejit(&softmax/1).(emily_in).data
+          emily_in = emily(Nx.iota({2, 3}, type: :f32, backend: Nx.BinaryBackend))
+          assert %Emily.Backend{} = jit.(emily_in).data
+        end
       end
 
       test "Nx.Defn.compile and default options" do
         template = Nx.template({2, 3}, {:f, 32})
-        compiled = Nx.Defn.compile(&softmax/1, [template], compiler: Emily.Compiler)
+
+        compiled =
+          Nx.Defn.compile(&softmax/1, [template], compiler: Emily.Compiler, native: false)
+
         x = O.tensor({2, 3}, {:f, 32})
         assert_same(compiled.(x), Nx.with_default_backend(Nx.BinaryBackend, fn -> softmax(x) end))
 
@@ -148,10 +154,13 @@ if Code.ensure_loaded?(Nx) do
               {&f_softmax_ce/2, [w, mx]}
             ] do
           [p | rest] = args
-          g = ejit(fn p -> grad(p, &apply(f, [&1 | rest])) end).(p)
-          assert %Emily.Backend{} = g.data
           fd = finite_differences(f, p, rest)
-          assert_same(g, fd, tol: {2.0e-3, 2.0e-3})
+
+          for native <- [false, true] do
+            g = ejit(fn p -> grad(p, &apply(f, [&1 | rest])) end, native: native).(p)
+            assert %Emily.Backend{} = g.data
+            assert_same(g, fd, tol: {2.0e-3, 2.0e-3})
+          end
         end
       end
     end

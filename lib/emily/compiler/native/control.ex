@@ -12,8 +12,12 @@ if Code.ensure_loaded?(Nx) do
     import Emily.Compiler.Native,
       only: [lower_node: 2, emit: 3, operand: 3, constant_value: 2, flat: 1]
 
-    # The most passes of a `while` the lowering unrolls.
+    # The most passes of a `while` the lowering unrolls, and the most instructions its
+    # passes may emit: a longer loop runs on the host (as one whose condition reads an
+    # input), one program call per pass, rather than making a program whose lowering
+    # and size grow with its passes.
     @max_passes 1024
+    @max_unrolled 4096
 
     # What calls an Elixir function on the host.
     @calls [:io_call, :runtime_call]
@@ -104,12 +108,12 @@ if Code.ensure_loaded?(Nx) do
 
         _ ->
           {state, st} = Enum.map_reduce(flat(initial), st, &lower_node/2)
-          {state, st} = unroll(loop, flat(arg), condition, flat(body), state, st, 0)
+          {state, st} = unroll(loop, flat(arg), condition, flat(body), state, st, {0, st.next})
           {state, %{st | results: Map.put(st.results, id, state)}}
       end
     end
 
-    defp unroll(loop, params, condition, body, state, st, passes) do
+    defp unroll(loop, params, condition, body, state, st, {passes, start}) do
       # What is lowered for one pass (its nodes, inner loops) holds for that pass only.
       outer = Map.take(st, [:memo, :results, :nested])
       bound = Enum.zip(params, state) |> Map.new(fn {p, slot} -> {p.data.id, slot} end)
@@ -124,12 +128,12 @@ if Code.ensure_loaded?(Nx) do
         Emily.to_list(value) == [0] ->
           {state, Map.merge(st, outer)}
 
-        passes == @max_passes ->
-          throw({:unsupported, {:while, {:more_passes_than, @max_passes}}})
+        passes == @max_passes or st.next - start > @max_unrolled ->
+          too_long(loop, outer.nested)
 
         true ->
           {state, st} = Enum.map_reduce(body, st, &lower_node/2)
-          unroll(loop, params, condition, body, state, Map.merge(st, outer), passes + 1)
+          unroll(loop, params, condition, body, state, Map.merge(st, outer), {passes + 1, start})
       end
     end
 
@@ -140,6 +144,11 @@ if Code.ensure_loaded?(Nx) do
 
     defp dynamic_while(_loop, _nested),
       do: throw({:unsupported, {:while, :condition_reads_input}})
+
+    defp too_long(loop, 0), do: throw({:host, loop})
+
+    defp too_long(_loop, _nested),
+      do: throw({:unsupported, {:while, {:unrolls_beyond, @max_passes, @max_unrolled}}})
 
     # The same for hooks and runtime calls.
     defp host(%T{} = t, %{nested: 0}), do: throw({:host, t})

@@ -83,17 +83,22 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :broadcast_to, [x, shape])
     end
 
-    def lower_op(:constant, [value], %T{type: type, shape: shape}, st) do
-      value =
-        case value do
-          v when is_integer(v) and abs(v) < @max_exact -> v
-          v when is_float(v) -> v
-          v when v in [:nan, :infinity, :neg_infinity] -> v
-          _ -> throw({:unsupported, {:constant, value}})
-        end
+    # A complex constant: its two parts as floats, read as one complex number (exact,
+    # infinities and NaN included, as no arithmetic touches them).
+    def lower_op(:constant, [value], %T{type: {:c, bits} = type, shape: shape}, st) do
+      real = {:f, div(bits, 2)}
 
-      if match?({:c, _}, type), do: throw({:unsupported, {:constant, type}})
-      emit(st, :full, [shape, value, type])
+      {parts, st} =
+        Enum.map_reduce(complex_parts(value), st, &emit(&2, :full, [{1}, &1, real]))
+
+      {parts, st} = emit(st, :concatenate, [parts, 0])
+      {c, st} = emit(st, :view, [parts, type])
+      {c, st} = emit(st, :reshape, [c, {}])
+      emit(st, :broadcast_to, [c, shape])
+    end
+
+    def lower_op(:constant, [value], %T{type: type, shape: shape}, st) do
+      emit(st, :full, [shape, real_constant(value), type])
     end
 
     def lower_op(:iota, [axis], %T{type: type, shape: shape}, st) do
@@ -479,5 +484,12 @@ if Code.ensure_loaded?(Nx) do
 
     defp int_limit(st, :max, {:s, bits} = type),
       do: emit(st, :full, [{}, 2 ** (bits - 1) - 1, type])
+
+    defp real_constant(v) when is_integer(v) and abs(v) < @max_exact, do: v
+    defp real_constant(v) when is_float(v) or v in [:nan, :infinity, :neg_infinity], do: v
+    defp real_constant(v), do: throw({:unsupported, {:constant, v}})
+
+    defp complex_parts(%Complex{re: re, im: im}), do: [real_constant(re), real_constant(im)]
+    defp complex_parts(v), do: [real_constant(v), 0]
   end
 end
