@@ -18,7 +18,8 @@ if Code.ensure_loaded?(Nx) do
     fused with `mx::compile` and runs on the stream's worker. It lowers, over the
     types MLX computes with (not f64 on a GPU):
 
-      * parameters, constants (complex ones too), captured tensors, `iota` and `eye`;
+      * parameters (vectorized ones too: Nx writes their graph over the devectorized
+        shapes), constants (complex ones too), captured tensors, `iota` and `eye`;
       * elementwise unary and binary ops (comparisons and logical ops give Nx's u8;
         `erf_inv` as `Emily.Backend` computes it; on f64 not those `Emily.Backend`
         computes on `Nx.BinaryBackend` for accuracy), `select`, `clip`, `bitcast`,
@@ -37,9 +38,8 @@ if Code.ensure_loaded?(Nx) do
         fall back, so that the backend checks them);
       * `Emily.Fast`'s blocks (f16, bf16, f32) as MLX's fused kernels; on the CPU,
         `Nx.LinAlg`'s Cholesky, solve and determinant (up to 3x3) as LAPACK, as
-        `Emily.Backend` computes them (the other linear algebra falls back); every
-        other block (`top_k`, `all_close`, a library's own) as its default
-        implementation, lowered in turn;
+        `Emily.Backend` computes them; every other block (`top_k`, `all_close`, a
+        library's own) as its default implementation, lowered in turn;
       * `while` loops whose condition reads no input (over a range or a tensor's
         elements, counted loops, `Nx.Random`'s rounds): unrolled, up to 1024 passes
         and 4096 instructions, the condition computed before each pass when the graph
@@ -52,16 +52,19 @@ if Code.ensure_loaded?(Nx) do
       * `io_call` (hooks, `print_value`, `Nx.Serving`'s streaming) and `runtime_call`,
         outside conditionals, blocks and unrolled loops (in a loop that runs on the
         host, on each pass): the call runs on the host between the program that
-        computes its data and the program of the rest;
+        computes its data and the program of the rest; so does the other linear
+        algebra (QR, eigh, SVD, LU, larger determinants, `triangular_solve`, and all
+        of it on a GPU), computed by `Emily.Backend` as on the evaluator path;
       * `cond` (and `if`): a clause whose predicate reads no input is decided when the
         graph is lowered; otherwise every branch is computed and the results
         selected, so an untaken branch costs its time (not under
         `:debug_detect_nan_inf`, whose checks would see it).
 
-    A graph with anything else (a hook, a runtime call, or a `while` whose condition
-    reads an input or that is too long to unroll, inside a conditional, a block or an
-    unrolled loop; `reduce` and `window_reduce` with another function, complex
-    convolutions, the other linear algebra, other types, vectorized tensors) runs
+    A graph with anything else (a hook, a runtime call, linear algebra on the host, or
+    a `while` whose condition reads an input or that is too long to unroll, inside a
+    conditional, a block or an unrolled loop, as in a vectorized `while` whose
+    condition reads an input; a hook or a runtime call on vectorized tensors; `reduce`
+    and `window_reduce` with another function, complex convolutions, other types) runs
     whole on the evaluator path (below) and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error

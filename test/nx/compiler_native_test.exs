@@ -99,6 +99,19 @@ if Code.ensure_loaded?(Nx) do
        Nx.broadcast(Complex.new(:neg_infinity, :infinity), {2})}
     end
 
+    # Vectorized inputs (Nx's front end writes the graph over their devectorized shapes):
+    # with plain ones, reductions, dot, a conditional (a select, per entry), indexing
+    # with vectorized indices, a scan, a counted loop, and an input-dependent loop
+    # (per entry, inside a loop over the entries: not lowered).
+    defn vectorized(x, y, idx) do
+      {Nx.sum(Nx.exp(x) * y, axes: [0]) + Nx.dot(x, y), if(Nx.sum(x) > 0, do: x * 2, else: x - 1),
+       Nx.take(y, idx), Nx.cumulative_sum(x),
+       elem(while({x, i = 0}, i < 3, do: {x * 2 + i, i + 1}), 0), Nx.argmax(x), x[1],
+       Nx.reshape(x, {3, 1}), Nx.broadcast(y, {2, 3}) + x, Nx.iota({2}) + x[0]}
+    end
+
+    defn(vectorized_grow(x), do: while(acc = x, Nx.all(acc < 100), do: acc * 2 + 1))
+
     # Loops of a number of passes known when the graph is lowered: over a range, over a
     # tensor's rows, nested, with a body that reads the input.
     defn loops(x, w) do
@@ -262,14 +275,17 @@ if Code.ensure_loaded?(Nx) do
     # Runs `fun` on every path and asserts they agree with Nx.BinaryBackend, and that
     # the native runs did not fall back.
     defp check_paths(fun, args, opts \\ []) do
-      expected =
-        Nx.with_default_backend(Nx.BinaryBackend, fn ->
-          apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
-        end)
+      expected = oracle_jit(fun, args)
 
       assert_same(apply(ejit(fun, native: false), args), expected, opts)
 
       for out <- native_results(fun, args), do: assert_same(out, expected, opts)
+    end
+
+    defp oracle_jit(fun, args) do
+      Nx.with_default_backend(Nx.BinaryBackend, fn ->
+        apply(Nx.Defn.jit(fun, compiler: Nx.Defn.Evaluator), args)
+      end)
     end
 
     test "MLP forward" do
@@ -382,6 +398,25 @@ if Code.ensure_loaded?(Nx) do
       check_paths(&spectra/2, [x, z])
     end
 
+    test "vectorized tensors" do
+      x = Nx.vectorize(O.tensor({2, 3}, {:f, 32}), :b)
+      y = O.tensor({3}, {:f, 32})
+      idx = Nx.vectorize(Nx.tensor([[2, 0], [1, 1]], type: :s32), :b)
+      expected = oracle_jit(&vectorized/3, [x, y, idx])
+
+      for out <- native_results(&vectorized/3, [x, y, idx]) do
+        Enum.zip_with(Tuple.to_list(out), Tuple.to_list(expected), fn a, e ->
+          assert a.vectorized_axes == [b: 2]
+          assert_same(Nx.devectorize(a), Nx.devectorize(e))
+        end)
+      end
+
+      x = Nx.vectorize(Nx.tensor([[1.0, 2.0], [30.0, 0.5]]), :b)
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&vectorized_grow/1).(x) end)
+      assert [%{reason: {:while, :condition_reads_input}}] = fallbacks
+      assert_same(Nx.devectorize(out), Nx.devectorize(oracle_jit(&vectorized_grow/1, [x])))
+    end
+
     test "complex constants" do
       x = O.tensor({3, 4}, {:f, 32})
       z = Nx.complex(O.tensor({3, 4}, {:f, 32}), O.tensor({3, 4}, {:f, 32}))
@@ -464,7 +499,19 @@ if Code.ensure_loaded?(Nx) do
       do: {Nx.LinAlg.cholesky(a), Nx.LinAlg.solve(a, b), Nx.LinAlg.determinant(a)}
     )
 
-    test "Cholesky, solve and small determinants as LAPACK on a CPU program; the rest falls back" do
+    # The linear algebra a program does not hold, between ops that it does.
+    defn more_linalg(a, b) do
+      {q, r} = Nx.LinAlg.qr(a * 2)
+      {values, vectors} = Nx.LinAlg.eigh(a + Nx.transpose(a))
+      {u, s, vt} = Nx.LinAlg.svd(a)
+      {p, l, upper} = Nx.LinAlg.lu(a - 0.05)
+      x = Nx.LinAlg.triangular_solve(r, b + 1, lower: false)
+
+      {q + 1, Nx.sum(r), values * 2, vectors, u, s, vt, p, l, upper,
+       Nx.LinAlg.determinant(a) + Nx.LinAlg.determinant(a * 3), x, Nx.exp(x)}
+    end
+
+    test "Cholesky, solve and small determinants as LAPACK on a CPU program; the rest on the host" do
       a = Nx.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
       b = Nx.tensor([1.0, -2.0, 0.5])
 
@@ -477,15 +524,22 @@ if Code.ensure_loaded?(Nx) do
         assert_same(out, expected, tol: {1.0e-5, 1.0e-5})
       end
 
-      # LAPACK's other blocks, and larger determinants, on the evaluator path.
-      for fun <- [&Nx.LinAlg.qr/1, &Nx.LinAlg.determinant/1] do
-        a4 = Nx.add(Nx.eye(4), 0.1)
-        {out, fallbacks} = with_fallbacks(fn -> ejit(fun, native: true, device: :cpu).(a4) end)
-        assert [%{reason: {:block, _}}] = fallbacks
-        expected = Nx.with_default_backend(Nx.BinaryBackend, fn -> fun.(a4) end)
-        assert_same(out, expected, tol: {1.0e-4, 1.0e-4})
-      end
+      # LAPACK's other blocks, larger determinants and triangular_solve: Emily.Backend
+      # computes them on the host, between the programs, as on the evaluator path.
+      a4 = Nx.add(Nx.eye(4), Nx.iota({4, 4}, type: :f32) |> Nx.divide(40))
+      args = [a4, Nx.tensor([1.0, -2.0, 0.5, 3.0])]
+      expected = apply(ejit(&more_linalg/2, native: false, device: :cpu), args)
+      jit = ejit(&more_linalg/2, device: :cpu)
+      {out, fallbacks} = with_fallbacks(fn -> apply(jit, args) end)
+      assert debug_fallbacks?(fallbacks)
+      assert_same(out, expected, tol: {1.0e-6, 1.0e-6})
+
+      # Seven steps: QR, eigh, SVD, LU, the triangular solve and the two determinants.
+      if fallbacks == [], do: assert(host_steps(plan_of(jit, args)) == 7)
     end
+
+    defp host_steps({:program, _, _}), do: 0
+    defp host_steps({:call, data, _call, rest}), do: host_steps(data) + 1 + host_steps(rest)
 
     test "blocks without a kernel lower their default: top_k, all_close, a library's block" do
       check_paths(&blocks/2, [O.tensor({3, 5}, {:f, 32}), O.tensor({3, 5}, {:f, 32})])
@@ -680,12 +734,7 @@ if Code.ensure_loaded?(Nx) do
       {out, fallbacks} = with_fallbacks(fn -> ejit(&long_in_short/1, native: true).(x) end)
       assert [%{reason: {:while, {:unrolls_beyond, 1024, 4096}}}] = fallbacks
 
-      expected =
-        Nx.with_default_backend(Nx.BinaryBackend, fn ->
-          Nx.Defn.jit(&long_in_short/1, compiler: Nx.Defn.Evaluator).(x)
-        end)
-
-      assert_same(out, expected, tol: {1.0e-5, 1.0e-5})
+      assert_same(out, oracle_jit(&long_in_short/1, [x]), tol: {1.0e-5, 1.0e-5})
     end
 
     # The plan a native jit function runs for `args` (a second call finds it in the

@@ -103,14 +103,10 @@ if Code.ensure_loaded?(Nx) do
     def lowering(vars, result, opts) do
       device = Keyword.fetch!(opts, :device)
       flat_vars = Composite.flatten_list(vars)
-
-      if Enum.any?(flat_vars, &(&1.vectorized_axes != [])),
-        do: throw({:unsupported, :vectorized})
-
       outputs = Composite.flatten_list([result])
 
-      if Enum.any?(outputs, &(not match?(%T{data: %Expr{}}, &1) or &1.vectorized_axes != [])),
-        do: throw({:unsupported, :vectorized})
+      if Enum.any?(outputs, &(not match?(%T{data: %Expr{}}, &1))),
+        do: throw({:unsupported, :output})
 
       {hosted, params} =
         opts
@@ -128,7 +124,7 @@ if Code.ensure_loaded?(Nx) do
       {_seen, tensors, defaults, _known} = collect(walked, {%{}, [], %{}, known})
       tensors = Enum.reverse(tensors)
       extra_slots = tensors |> Enum.with_index(params) |> Map.new(fn {t, i} -> {t.data.id, i} end)
-      extras = Enum.map(tensors, &to_device(&1.data.args |> hd(), device))
+      extras = Enum.map(tensors, &to_device(Nx.devectorize(hd(&1.data.args)), device))
 
       st = %{
         next: params + length(extras),
@@ -339,10 +335,32 @@ if Code.ensure_loaded?(Nx) do
 
         _ ->
           check_type(t.type, st.device)
-          {slot, st} = Ops.lower_op(t.data.op, t.data.args, t, st)
+          {args, t} = devectorized(t)
+          {slot, st} = Ops.lower_op(t.data.op, args, t, st)
           {slot, %{st | memo: Map.put(st.memo, id, slot)}}
       end
     end
+
+    # A graph of vectorized tensors computes on their devectorized shapes (Nx's front
+    # end made its ops so): a node, and the tensors among its arguments, as such.
+    defp devectorized(%T{vectorized_axes: [], data: %Expr{args: args}} = t) do
+      if Enum.any?(args_tensors(args), &(&1.vectorized_axes != [])),
+        do: {Enum.map(args, &devectorize_arg/1), t},
+        else: {args, t}
+    end
+
+    defp devectorized(%T{} = t) do
+      t = Nx.devectorize(t)
+      {Enum.map(t.data.args, &devectorize_arg/1), t}
+    end
+
+    defp devectorize_arg(%T{} = t), do: Nx.devectorize(t)
+    defp devectorize_arg(list) when is_list(list), do: Enum.map(list, &devectorize_arg/1)
+
+    defp devectorize_arg(tuple) when is_tuple(tuple),
+      do: tuple |> Tuple.to_list() |> Enum.map(&devectorize_arg/1) |> List.to_tuple()
+
+    defp devectorize_arg(other), do: other
 
     defp check_type(type, device) do
       cond do

@@ -22,10 +22,10 @@ if Code.ensure_loaded?(Nx) do
     # What calls an Elixir function on the host.
     @calls [:io_call, :runtime_call]
 
-    # Linear algebra that Emily.Compiler.Native.Ops does not lower runs on the evaluator
-    # path, where Emily.Backend calls LAPACK (on a CPU stream): Nx's own algorithms,
-    # unrolled, would make programs of thousands of instructions, and loops that read
-    # their input.
+    # Linear algebra that Emily.Compiler.Native.Ops does not lower runs on the host, as
+    # Emily.Backend computes it (LAPACK, on a CPU stream), between the programs before
+    # and after it: Nx's own algorithms, unrolled, would make programs of thousands of
+    # instructions, and loops that read their input.
     @linalg [
       Nx.Block.LinAlg.Cholesky,
       Nx.Block.LinAlg.Solve,
@@ -37,6 +37,23 @@ if Code.ensure_loaded?(Nx) do
     ]
 
     @doc false
+    # Linear algebra (above), and `triangular_solve`, on the host.
+    def lower_op(:block, [%struct{} | _], t, st) when struct in @linalg do
+      {[slot], st} = on_host(t, st)
+      {slot, st}
+    end
+
+    def lower_op(:elem, [%T{data: %Expr{op: :block, args: [%struct{} | _]}} = block, i], _t, st)
+        when struct in @linalg do
+      {slots, st} = on_host(block, st)
+      {Enum.at(slots, i), st}
+    end
+
+    def lower_op(:triangular_solve, _args, t, st) do
+      {[slot], st} = on_host(t, st)
+      {slot, st}
+    end
+
     # A block without a kernel (see Emily.Compiler.Native.Ops): its default
     # implementation (Nx's own, built of other ops), as Emily.Backend runs it.
     def lower_op(:block, [_block, _in_args, %T{}, _fun], t, st) do
@@ -72,18 +89,14 @@ if Code.ensure_loaded?(Nx) do
 
     # What runs on the host (Emily.Compiler.Native.Plan): a hook or a runtime_call,
     # outside unrolled loops, conditionals and blocks.
-    def lower_op(op, _args, %T{data: %Expr{id: id}} = t, st) when op in @calls do
-      case st.results do
-        %{^id => [slot]} -> {slot, st}
-        _ -> host(t, st)
-      end
+    def lower_op(op, _args, t, st) when op in @calls do
+      {[slot], st} = on_host(t, st)
+      {slot, st}
     end
 
-    def lower_op(:elem, [%T{data: %Expr{id: id, op: op}} = call, i], _t, st) when op in @calls do
-      case st.results do
-        %{^id => slots} -> {Enum.at(slots, i), st}
-        _ -> host(call, st)
-      end
+    def lower_op(:elem, [%T{data: %Expr{op: op}} = call, i], _t, st) when op in @calls do
+      {slots, st} = on_host(call, st)
+      {Enum.at(slots, i), st}
     end
 
     # An element of a tuple wrapped in metadata (a custom gradient, say): that element.
@@ -151,7 +164,20 @@ if Code.ensure_loaded?(Nx) do
       do: throw({:unsupported, {:while, {:unrolls_beyond, @max_passes, @max_unrolled}}})
 
     # The same for hooks and runtime calls.
+    # The slots of what runs on the host: its results, inputs of the program once the
+    # plan has the step (Native.Plan), else thrown for the plan to make it one.
+    defp on_host(%T{data: %Expr{id: id}} = t, st) do
+      case st.results do
+        %{^id => slots} -> {slots, st}
+        _ -> host(t, st)
+      end
+    end
+
     defp host(%T{} = t, %{nested: 0}), do: throw({:host, t})
+
+    defp host(%T{data: %Expr{op: :block, args: [%struct{} | _]}}, _st),
+      do: throw({:unsupported, {:block, struct}})
+
     defp host(%T{data: %Expr{op: op}}, _st), do: throw({:unsupported, {:op, op}})
 
     # A `cond`'s results: a clause whose predicate is computed from constants alone is
@@ -198,9 +224,6 @@ if Code.ensure_loaded?(Nx) do
     # The default Nx traced for the block node `block`, its parameters (found by
     # Emily.Compiler.Native's collect/2) bound to the slots of the block's tensor
     # arguments.
-    defp block_default(%T{data: %Expr{args: [%struct{} | _]}}, _st) when struct in @linalg,
-      do: throw({:unsupported, {:block, struct}})
-
     defp block_default(%T{data: %Expr{id: id, args: [_block, in_args, default, _fun]}}, st) do
       inputs = Enum.take_while(in_args, &(not is_list(&1)))
       {slots, st} = Enum.map_reduce(inputs, st, &lower_node/2)

@@ -395,19 +395,20 @@ if Code.ensure_loaded?(Nx) do
     # Linear algebra as Emily.Backend computes it, LAPACK through MLX (on the CPU only:
     # a GPU program cannot hold it) in the input's real type: Cholesky, solve, and the
     # determinant of up to 3x3 (MLX's closed forms, as Nx's). The others run on the
-    # evaluator path (Emily.Compiler.Native.Control).
-    def lower_op(:block, [%struct{}, [a | _] = args, _default, _fun], %T{type: type}, st)
+    # host (Emily.Compiler.Native.Control).
+    def lower_op(:block, [%struct{}, [a | _] = args, _default, _fun], %T{type: type} = t, st)
         when is_map_key(@linalg, struct) and st.device == :cpu and
                elem(a.type, 0) == :f and elem(a.type, 1) in [32, 64] do
       {op, extra} = Map.fetch!(@linalg, struct)
 
-      if struct == Nx.Block.LinAlg.Determinant and elem(a.shape, tuple_size(a.shape) - 1) > 3,
-        do: throw({:unsupported, {:block, struct}})
-
-      if Enum.any?(args, &(&1.type != a.type)), do: throw({:unsupported, {:block, struct}})
-      {slots, st} = Enum.map_reduce(args, st, &lower_node/2)
-      {y, st} = emit(st, op, slots ++ extra)
-      emit(st, :astype, [y, type])
+      if (struct == Nx.Block.LinAlg.Determinant and elem(a.shape, tuple_size(a.shape) - 1) > 3) or
+           Enum.any?(args, &(&1.type != a.type)) do
+        Control.lower_op(:block, t.data.args, t, st)
+      else
+        {slots, st} = Enum.map_reduce(args, st, &lower_node/2)
+        {y, st} = emit(st, op, slots ++ extra)
+        emit(st, :astype, [y, type])
+      end
     end
 
     # Emily.Fast's blocks lower to their fused kernel (Emily.Fast.native_call/3 names it
@@ -433,7 +434,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def lower_op(op, args, t, st)
-        when op in [:block, :while, :cond, :elem, :io_call, :runtime_call],
+        when op in [:block, :while, :cond, :elem, :io_call, :runtime_call, :triangular_solve],
         do: Control.lower_op(op, args, t, st)
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})

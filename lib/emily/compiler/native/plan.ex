@@ -66,6 +66,10 @@ if Code.ensure_loaded?(Nx) do
         if Emily.Debug.detect_nan_inf?(),
           do: throw({:unsupported, {node.data.op, :debug_detect_nan_inf}})
 
+        # (The host calls Elixir with tensors made from templates: not vectorized ones.)
+        if node.data.op != :while and vectorized?(node.data.args),
+          do: throw({:unsupported, {node.data.op, :vectorized}})
+
         host(node, %{vars: vars, result: result, opts: opts, hosted: hosted})
     end
 
@@ -119,6 +123,51 @@ if Code.ensure_loaded?(Nx) do
 
       call(node, data, call, length(Composite.flatten_list([template])), at)
     end
+
+    # Linear algebra the programs do not hold (Emily.Compiler.Native.Control): computed
+    # by Emily.Backend, as on the evaluator path, on the run's stream.
+    defp host(%T{data: %Expr{op: :block, args: [struct, in_args, default, fun]}} = node, at) do
+      {inputs, options} = Enum.split_while(in_args, &(not is_list(&1)))
+      templates = Enum.map(inputs, &Nx.to_template/1)
+
+      out =
+        case node.type do
+          {:tuple, _} -> Composite.traverse(default, &Nx.to_template/1)
+          _ -> Nx.to_template(node)
+        end
+
+      call = fn refs, stream ->
+        args = Tuple.to_list(tensors(List.to_tuple(templates), refs, stream)) ++ options
+        eagerly(stream, fn -> Emily.Backend.block(struct, out, args, fun) end)
+      end
+
+      call(node, List.to_tuple(inputs), call, length(Composite.flatten_list([out])), at)
+    end
+
+    defp host(%T{data: %Expr{op: :triangular_solve, args: [a, b, opts]}} = node, at) do
+      templates = {Nx.to_template(a), Nx.to_template(b)}
+      out = Nx.to_template(node)
+
+      call = fn refs, stream ->
+        {a, b} = tensors(templates, refs, stream)
+        eagerly(stream, fn -> Emily.Backend.triangular_solve(out, a, b, opts) end)
+      end
+
+      call(node, {a, b}, call, 1, at)
+    end
+
+    # `fun`'s results' arrays, `fun` run with Emily.Backend (on `stream`) as the default
+    # backend, as the evaluator path runs an op.
+    defp eagerly(stream, fun) do
+      backend = {Emily.Backend, device: Emily.Stream.device(stream)}
+      out = Emily.Stream.with_stream(stream, fn -> Nx.with_default_backend(backend, fun) end)
+      Enum.map(Composite.flatten_list([out]), &ref(&1, stream))
+    end
+
+    defp vectorized?(%T{vectorized_axes: axes}), do: axes != []
+    defp vectorized?(list) when is_list(list), do: Enum.any?(list, &vectorized?/1)
+    defp vectorized?(tuple) when is_tuple(tuple), do: vectorized?(Tuple.to_list(tuple))
+    defp vectorized?(_other), do: false
 
     # A pass of a loop that runs on the host (see host/2).
     defp step(arg, condition, body, opts) do
