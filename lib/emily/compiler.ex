@@ -57,15 +57,21 @@ if Code.ensure_loaded?(Nx) do
         of it on a GPU), computed by `Emily.Backend` as on the evaluator path;
       * `cond` (and `if`): a clause whose predicate reads no input is decided when the
         graph is lowered; otherwise every branch is computed and the results
-        selected, so an untaken branch costs its time (not under
-        `:debug_detect_nan_inf`, whose checks would see it).
+        selected, so an untaken branch costs its time. Where that cannot be (a branch
+        with a host step of its own, or with linear algebra, which raises on the
+        values a branch guards against), outside loops, conditionals and blocks, the
+        conditional runs on the host: a program computes the predicates, the host
+        picks the branch, and that branch's program runs, then the rest's. (Under
+        `:debug_detect_nan_inf`, whose checks would see an untaken branch, a `cond`
+        whose predicate reads an input is not lowered, nor is any host step.)
 
-    A graph with anything else (a hook, a runtime call, linear algebra on the host, or
-    a `while` whose condition reads an input or that is too long to unroll, inside a
-    conditional, a block or an unrolled loop, as in a vectorized `while` whose
-    condition reads an input; a hook or a runtime call on vectorized tensors; `reduce`
-    and `window_reduce` with another function, complex convolutions, other types) runs
-    whole on the evaluator path (below) and emits
+    A graph with anything else (a hook, a runtime call, linear algebra on the host, a
+    conditional that cannot compute all its branches, or a `while` whose condition
+    reads an input or that is too long to unroll, inside a conditional, a block or an
+    unrolled loop, as in a vectorized `while` whose condition reads an input; a hook or
+    a runtime call on vectorized tensors; `reduce` and `window_reduce` with another
+    function, complex convolutions, other types) runs whole on the evaluator path
+    (below) and emits
     `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
     (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error
     while lowering a graph it traced, a bug, falls back too, as `{:lowering_failed,

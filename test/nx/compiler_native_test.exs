@@ -90,14 +90,19 @@ if Code.ensure_loaded?(Nx) do
        Nx.real(x), Nx.abs(Nx.ifft(z, eps: 1.0e-3))}
     end
 
-    # Complex constants: literals, a real literal of a complex type, infinite and NaN
+    # Complex constants: literals, a real literal of a complex type; infinite and NaN
     # parts.
     defn complex_constants(x, z) do
       {x * Complex.new(0.0, 1.0) + Complex.new(-2.5, 0.25), z - 3.0,
-       Nx.exp(Complex.new(0.0, 0.5) * z),
-       Nx.select(x > 0, Complex.new(:infinity, -1.0), Complex.new(1.0, :nan)),
+       Nx.exp(Complex.new(0.0, 0.5) * z)}
+    end
+
+    defn non_finite_complex_constants(x) do
+      {Nx.select(x > 0, Complex.new(:infinity, -1.0), Complex.new(1.0, :nan)),
        Nx.broadcast(Complex.new(:neg_infinity, :infinity), {2})}
     end
+
+    defn(branchy(x), do: if(Nx.sum(x) > 0, do: Nx.exp(x), else: x * 2))
 
     # Vectorized inputs (Nx's front end writes the graph over their devectorized shapes):
     # with plain ones, reductions, dot, a conditional (a select, per entry), indexing
@@ -413,7 +418,8 @@ if Code.ensure_loaded?(Nx) do
 
       x = Nx.vectorize(Nx.tensor([[1.0, 2.0], [30.0, 0.5]]), :b)
       {out, fallbacks} = with_fallbacks(fn -> ejit(&vectorized_grow/1).(x) end)
-      assert [%{reason: {:while, :condition_reads_input}}] = fallbacks
+      assert [%{reason: reason}] = fallbacks
+      assert reason == {:while, :condition_reads_input} or debug_fallbacks?(fallbacks)
       assert_same(Nx.devectorize(out), Nx.devectorize(oracle_jit(&vectorized_grow/1, [x])))
     end
 
@@ -421,6 +427,9 @@ if Code.ensure_loaded?(Nx) do
       x = O.tensor({3, 4}, {:f, 32})
       z = Nx.complex(O.tensor({3, 4}, {:f, 32}), O.tensor({3, 4}, {:f, 32}))
       check_paths(&complex_constants/2, [x, z])
+
+      # (:debug_detect_nan_inf raises on reading them back.)
+      unless Emily.Debug.detect_nan_inf?(), do: check_paths(&non_finite_complex_constants/1, [x])
     end
 
     test "erf_inv (Nx's formula on the CPU) and bitcast" do
@@ -537,6 +546,14 @@ if Code.ensure_loaded?(Nx) do
       # Seven steps: QR, eigh, SVD, LU, the triangular solve and the two determinants.
       if fallbacks == [], do: assert(host_steps(plan_of(jit, args)) == 7)
     end
+
+    defp host_conds({:cond, predicates, branches, rest}),
+      do:
+        1 + host_conds(predicates) + Enum.sum(Enum.map(branches, &host_conds/1)) +
+          host_conds(rest)
+
+    defp host_conds({:call, data, _call, rest}), do: host_conds(data) + host_conds(rest)
+    defp host_conds({:program, _, _}), do: 0
 
     defp host_steps({:program, _, _}), do: 0
     defp host_steps({:call, data, _call, rest}), do: host_steps(data) + 1 + host_steps(rest)
@@ -704,12 +721,47 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    test "such a while inside a branch falls back with telemetry and still computes" do
+    test "a conditional whose branch a program cannot hold runs on the host, one branch" do
+      # A loop that reads the input; linear algebra guarded by the determinant (a
+      # singular matrix makes LAPACK's solve raise: the branch must not run).
+      for x <- [Nx.tensor([1.0, 2.0]), Nx.tensor([-1.0, -2.0])],
+          do: check_paths(&grow_if_positive/1, [x])
+
+      singular3 = Nx.tensor([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.0, 1.0, 1.0]])
+      singular4 = Nx.tensor([[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+      regular = Nx.add(Nx.eye(4), Nx.iota({4, 4}, type: :f32) |> Nx.divide(40))
+
+      # (:debug_detect_nan_inf raises on reading back a singular matrix's NaN inverse.)
+      matrices =
+        if Emily.Debug.detect_nan_inf?(),
+          do: [regular],
+          else: [singular3, singular4, regular]
+
+      for a <- matrices do
+        expected = ejit(&Nx.LinAlg.invert/1, native: false, device: :cpu).(a)
+        jit = ejit(&Nx.LinAlg.invert/1, device: :cpu)
+        {out, fallbacks} = with_fallbacks(fn -> jit.(a) end)
+        assert debug_fallbacks?(fallbacks)
+        assert_same(out, expected, tol: {1.0e-6, 1.0e-6})
+        if fallbacks == [], do: assert(host_conds(plan_of(jit, [a])) == 1)
+      end
+    end
+
+    test "such a branch inside an unrolled loop falls back with telemetry and still computes" do
       x = Nx.tensor([1.0, 2.0])
-      {out, fallbacks} = with_fallbacks(fn -> ejit(&grow_if_positive/1, native: true).(x) end)
+      {out, fallbacks} = with_fallbacks(fn -> ejit(&grow_twice_if_positive/1).(x) end)
       assert [%{reason: reason}] = fallbacks
       assert reason == {:while, :condition_reads_input} or debug_fallbacks?(fallbacks)
       assert Nx.to_flat_list(out) == [127.0, 191.0]
+    end
+
+    test "a conditional whose branches a program holds stays in it, both computed" do
+      for x <- [Nx.tensor([1.0, 2.0]), Nx.tensor([-1.0, -2.0])] do
+        check_paths(&branchy/1, [x])
+
+        unless Emily.Debug.detect_nan_inf?(),
+          do: assert({:program, _, _} = plan_of(ejit(&branchy/1), [x]))
+      end
     end
 
     test "a while longer than the lowering unrolls runs on the host" do

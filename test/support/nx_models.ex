@@ -35,10 +35,19 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # The same loop in a branch: what the native path does not lower (the branch not
-    # taken would run it too).
+    # The same loop in a branch: the native path runs the conditional on the host.
     defn grow_if_positive(x) do
       if Nx.sum(x) > 0, do: grow(x), else: x
     end
+
+    # And in a branch in a counted loop: what the native path does not lower (the loop
+    # is unrolled, and a branch not taken would run the inner loop too).
+    defn grow_twice_if_positive(x) do
+      {x, _i} = while({x, i = 0}, i < 2, do: {grow_if_positive(x), i + 1})
+      x
+    end
+
+    # A function of `reduce` other than one Nx op: what the native path does not lower.
+    defn(odd_fold(x), do: Nx.reduce(x, 0, fn a, b -> a + b * 2 end))
   end
 end

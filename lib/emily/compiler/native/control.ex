@@ -19,6 +19,11 @@ if Code.ensure_loaded?(Nx) do
     @max_passes 1024
     @max_unrolled 4096
 
+    # The MLX ops that raise on some values (LAPACK's: a singular or indefinite matrix).
+    @lapack [:inv, :tri_inv, :pinv, :cholesky, :cholesky_inv, :lu, :lu_factor, :solve] ++
+              [:solve_triangular, :qr, :svd, :svdvals, :eigh, :eigvalsh, :eig, :eigvals] ++
+              [:det, :slogdet]
+
     # What calls an Elixir function on the host.
     @calls [:io_call, :runtime_call]
 
@@ -77,13 +82,13 @@ if Code.ensure_loaded?(Nx) do
       {Enum.at(slots, i), st}
     end
 
-    def lower_op(:cond, [clauses, last], _t, st) do
-      {[slot], st} = chosen(clauses, last, st)
+    def lower_op(:cond, _args, t, st) do
+      {[slot], st} = cond_results(t, st)
       {slot, st}
     end
 
-    def lower_op(:elem, [%T{data: %Expr{op: :cond, args: [clauses, last]}}, i], _t, st) do
-      {slots, st} = chosen(clauses, last, st)
+    def lower_op(:elem, [%T{data: %Expr{op: :cond}} = c, i], _t, st) do
+      {slots, st} = cond_results(c, st)
       {Enum.at(slots, i), st}
     end
 
@@ -180,12 +185,35 @@ if Code.ensure_loaded?(Nx) do
 
     defp host(%T{data: %Expr{op: op}}, _st), do: throw({:unsupported, {:op, op}})
 
+    # A `cond`'s results, in the program (`chosen/3`); or, where its branches cannot all
+    # be computed there, outside loops, conditionals and blocks, on the host (Native.Plan
+    # reads the predicates, then runs the branch they choose).
+    defp cond_results(%T{data: %Expr{id: id, args: [clauses, last]}} = t, st) do
+      case st.results do
+        %{^id => slots} ->
+          {slots, st}
+
+        _ when st.nested == 0 ->
+          try do
+            chosen(clauses, last, st)
+          catch
+            {:unsupported, _} -> throw({:host, t})
+          end
+
+        _ ->
+          chosen(clauses, last, st)
+      end
+    end
+
     # A `cond`'s results: a clause whose predicate is computed from constants alone is
     # decided now; otherwise its branch and what follows are both computed and the
     # results selected (`where`). Branches hold no side effects (a hook in a branch is
-    # not lowered) and MLX's ops do not fail on values, so computing a branch not taken
-    # changes nothing but the time; under :debug_detect_nan_inf, whose checks would see
-    # it, such a `cond` is not lowered.
+    # not lowered), and MLX's ops other than LAPACK's do not fail on values, so computing
+    # a branch not taken changes nothing but the time. Not lowered: such a `cond` whose
+    # branches newly compute linear algebra, which raises on the values a branch guards
+    # against (Nx.LinAlg.invert solves only when the determinant is not zero), and,
+    # under :debug_detect_nan_inf, whose checks would see an untaken branch, any (both
+    # then run on the host where they can: see cond_results/2).
     defp chosen([], last, st), do: Enum.map_reduce(flat(last), st, &lower_node/2)
 
     defp chosen([{pred, branch} | rest], last, st) do
@@ -202,6 +230,7 @@ if Code.ensure_loaded?(Nx) do
           do: throw({:unsupported, {:cond, :debug_detect_nan_inf}})
 
         {p, st} = operand(pred, :bool, st)
+        start = st.next
 
         {{taken, other}, st} =
           nested(st, fn st ->
@@ -209,6 +238,11 @@ if Code.ensure_loaded?(Nx) do
             {other, st} = chosen(rest, last, st)
             {{taken, other}, st}
           end)
+
+        for slot <- start..(st.next - 1)//1,
+            {op, _} = Map.fetch!(st.instr_at, slot),
+            op in @lapack,
+            do: throw({:unsupported, {:cond, {:branch_computes, op}}})
 
         Enum.zip(taken, other)
         |> Enum.map_reduce(st, fn {a, b}, st -> emit(st, :where, [p, a, b]) end)

@@ -28,6 +28,12 @@ if Code.ensure_loaded?(Nx) do
       run(rest, inputs ++ repeat(pred, condition, step, state, stream), stream)
     end
 
+    def run({:cond, predicates, branches, rest}, inputs, stream) do
+      values = run(predicates, inputs, stream)
+      i = Enum.find_index(values, &(hd(Emily.to_list(&1)) != 0)) || length(values)
+      run(rest, inputs ++ run(Enum.at(branches, i), inputs, stream), stream)
+    end
+
     def run({:call, data, call, rest}, inputs, stream) do
       results = call.(run(data, inputs, stream), stream)
       run(rest, inputs ++ results, stream)
@@ -67,7 +73,7 @@ if Code.ensure_loaded?(Nx) do
           do: throw({:unsupported, {node.data.op, :debug_detect_nan_inf}})
 
         # (The host calls Elixir with tensors made from templates: not vectorized ones.)
-        if node.data.op != :while and vectorized?(node.data.args),
+        if node.data.op not in [:while, :cond] and vectorized?(node.data.args),
           do: throw({:unsupported, {node.data.op, :vectorized}})
 
         host(node, %{vars: vars, result: result, opts: opts, hosted: hosted})
@@ -86,6 +92,18 @@ if Code.ensure_loaded?(Nx) do
       hosted = at.hosted ++ [{loop, length(flat(initial))}]
       {rest, lowered} = plan(at.vars, at.result, at.opts, hosted)
       {{:loop, initial_plan, condition_plan, step, rest}, lowered}
+    end
+
+    # A `cond` whose branches a program cannot compute both of (Native.Control):
+    # `{:cond, predicates, branches, rest}`, the plans of its predicates, of each
+    # branch (the last one's when no predicate holds) and of the rest.
+    defp host(%T{data: %Expr{op: :cond, args: [clauses, last]}} = node, at) do
+      {predicates, branches} = Enum.unzip(clauses)
+      {predicates, _} = plan(at.vars, List.to_tuple(predicates), at.opts, at.hosted)
+      branches = for b <- branches ++ [last], do: elem(plan(at.vars, b, at.opts, at.hosted), 0)
+      hosted = at.hosted ++ [{node, length(flat(last))}]
+      {rest, lowered} = plan(at.vars, at.result, at.opts, hosted)
+      {{:cond, predicates, branches, rest}, lowered}
     end
 
     # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): its callback (the
