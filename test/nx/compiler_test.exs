@@ -40,6 +40,14 @@ if Code.ensure_loaded?(Nx) do
 
     defn(doubled_if_positive(x), do: if(Nx.sum(x) > 0, do: doubled(x), else: x))
 
+    # A hook outside the conditionals that read it: it runs once, whichever branches.
+    defn doubled_in_branches(x) do
+      d = doubled(x)
+      left = if Nx.sum(x) > 0, do: d, else: -d
+      right = if Nx.sum(x) > 0, do: d * 2, else: d
+      left * right
+    end
+
     defn counted(x, opts \\ []) do
       opts = keyword!(opts, [:pid])
       y = x + 1
@@ -253,6 +261,21 @@ if Code.ensure_loaded?(Nx) do
           assert Nx.to_number(out) == 16.0
           for v <- [2.0, 4.0, 8.0, 16.0], do: assert_receive({:step, ^v})
           refute_receive {:step, _}
+        end)
+      end
+
+      test "an io_call outside the branches that read it runs once" do
+        pid = self()
+        hooks = %{double: &send(pid, {:double, Nx.to_flat_list(&1)})}
+
+        both_paths(fn opts ->
+          jit = ejit(&doubled_in_branches/1, [hooks: hooks] ++ opts)
+
+          for {x, expected} <- [{1.0, 18.0}, {-1.0, -1.0}] do
+            assert Nx.to_flat_list(jit.(Nx.tensor([x]))) == [expected]
+            assert_receive {:double, [_]}
+            refute_received {:double, _}
+          end
         end)
       end
 

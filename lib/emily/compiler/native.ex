@@ -138,7 +138,10 @@ if Code.ensure_loaded?(Nx) do
         nested: 0,
         instr_at: %{},
         const: MapSet.new(),
-        values: %{}
+        values: %{},
+        # The nodes Nx computes outside any conditional (Nx.Defn.Tree.scope_ids/1): a
+        # host step among them runs before the conditionals that read it.
+        root: Nx.Defn.Tree.scope_ids(List.to_tuple(walked))
       }
 
       {slots, st} = Enum.map_reduce(outputs, st, &lower_node/2)

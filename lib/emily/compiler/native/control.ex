@@ -180,6 +180,9 @@ if Code.ensure_loaded?(Nx) do
 
     defp host(%T{} = t, %{nested: 0}), do: throw({:host, t})
 
+    defp host(%T{data: %Expr{id: id}} = t, %{root: root}) when is_map_key(root, id),
+      do: throw({:host, t})
+
     defp host(%T{data: %Expr{op: :block, args: [%struct{} | _]}}, _st),
       do: throw({:unsupported, {:block, struct}})
 
