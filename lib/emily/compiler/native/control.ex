@@ -168,9 +168,8 @@ if Code.ensure_loaded?(Nx) do
     defp too_long(_loop, _nested),
       do: throw({:unsupported, {:while, {:unrolls_beyond, @max_passes, @max_unrolled}}})
 
-    # The same for hooks and runtime calls.
-    # The slots of what runs on the host: its results, inputs of the program once the
-    # plan has the step (Native.Plan), else thrown for the plan to make it one.
+    # The slots of what runs on the host (hooks, runtime calls, linear algebra): its
+    # results, inputs of the program once the plan has the step (Native.Plan).
     defp on_host(%T{data: %Expr{id: id}} = t, st) do
       case st.results do
         %{^id => slots} -> {slots, st}
@@ -178,6 +177,9 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    # Otherwise the step is thrown for the plan to make: outside unrolled loops,
+    # conditionals and blocks, or where Nx computes it outside every conditional (and so
+    # before them, once); inside them, what is run on the host cannot be lowered.
     defp host(%T{} = t, %{nested: 0}), do: throw({:host, t})
 
     defp host(%T{data: %Expr{id: id}} = t, %{root: root}) when is_map_key(root, id),

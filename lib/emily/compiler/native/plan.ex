@@ -2,15 +2,18 @@ if Code.ensure_loaded?(Nx) do
   defmodule Emily.Compiler.Native.Plan do
     @moduledoc false
     # The programs a graph lowers to (Emily.Compiler.Native) and what runs between them
-    # on the host: a `while` whose condition reads an input, and the calls into Elixir
-    # (`io_call`, `runtime_call`). Most graphs are one program.
+    # on the host: a `while` whose condition reads an input (or too long to unroll), a
+    # `cond` whose branches a program cannot both compute, the calls into Elixir
+    # (`io_call`, `runtime_call`), and the linear algebra Emily.Backend computes. Most
+    # graphs are one program.
     #
     # A plan is `{:program, program, extras}` (extras: the Emily tensors passed after
     # the inputs, the captured tensors, then the folded constants), or, around a host
     # step, the plan of what the step reads, the step, and the plan of the graph with
-    # the step's results as more inputs (`{:loop, ...}`, `{:call, ...}`). The plan of the
-    # graph computes again what it shares with the plans before the step, other than
-    # the step's results (a value used both before and after a loop, say).
+    # the step's results as more inputs (`{:loop, ...}`, `{:cond, ...}`, `{:call,
+    # ...}`). The plan of the graph computes again what it shares with the plans before
+    # the step, other than the step's results (a value used both before and after a
+    # loop, say).
 
     alias Nx.Defn.{Composite, Expr}
     alias Nx.Tensor, as: T
