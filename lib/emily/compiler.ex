@@ -15,7 +15,7 @@ if Code.ensure_loaded?(Nx) do
     captured tensors) as the program's inputs, returning its outputs evaluated
     (`Emily.Program.eval/3`: the call builds and evaluates the graph itself, with no
     hop to the stream's worker and back); with `compile: true` the program is also
-    fused with `mx::compile` and runs on the stream's worker. It lowers, over the
+    fused with `mx::compile` (see `Emily.Program`). It lowers, over the
     types MLX computes with (not f64 on a GPU):
 
       * parameters (vectorized ones too: Nx writes their graph over the devectorized

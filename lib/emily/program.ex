@@ -56,8 +56,7 @@ defmodule Emily.Program do
   waiting for the worker's reply: for a small graph these two thread hand-offs cost
   more than the graph itself. Errors raise there and then. The outputs are tensors of
   the given stream, like `run/3`'s. A lazy input is evaluated first (on its own
-  stream); a compiled program runs on the stream's worker, where its compiled function
-  lives.
+  stream).
 
   Which thread: a graph on the CPU device that MLX takes quickly, while MLX has no other
   evaluation in flight, is built on the caller's own (normal) scheduler, which then
@@ -78,11 +77,12 @@ defmodule Emily.Program do
   threads, then sleeps and must be woken (on two cores, 10-20% of a 100 us graph;
   `bench/README.md`).
 
-  With `compile: true`, the first run on each stream traces the program and compiles it
-  with `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the
-  system C++ compiler, and falls back to unfused code without one). The compiled
-  function is cached per stream and per input shapes and dtypes, and dropped, on the
-  stream's own thread, when the program is garbage (MLX's compile cache is thread-local).
+  With `compile: true`, the first run on each thread (a stream's worker for `run/3`; for
+  `eval/3`, the dirty scheduler that runs it) traces the program and compiles it with
+  `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the system
+  C++ compiler, and falls back to unfused code without one). MLX's compile cache is
+  thread-local: the compiled function is cached per thread and per input shapes and
+  dtypes, and every thread's entry is dropped when the program is garbage.
   """
 
   @type t :: reference()
@@ -137,25 +137,19 @@ defmodule Emily.Program do
   def eval(program, inputs, opts \\ []) when is_list(inputs) do
     stream = Keyword.get_lazy(opts, :stream, &Emily.Stream.current/0)
 
-    if Emily.Native.program_compiled(program) do
-      outputs = Emily.Native.program_run(stream, program, inputs)
-      Emily.evaluate(outputs)
-      outputs
-    else
-      case eval_here(stream, program, inputs) do
-        :pending ->
-          Emily.evaluate(inputs)
-          eval_here(stream, program, inputs)
+    case eval_here(stream, program, inputs) do
+      :pending ->
+        Emily.evaluate(inputs)
+        eval_here(stream, program, inputs)
 
-        outputs ->
-          outputs
-      end
+      outputs ->
+        outputs
     end
   end
 
-  # Inputs evaluated, program not compiled: on the calling process's own scheduler when
-  # the program qualifies (`program_eval_async`: on the CPU, taken quickly by MLX), on a
-  # dirty CPU scheduler otherwise. `:pending` when an input is lazy.
+  # Inputs evaluated: on the calling process's own scheduler when the program qualifies
+  # (`program_eval_async`: not compiled, on the CPU, taken quickly by MLX), on a dirty
+  # CPU scheduler otherwise. `:pending` when an input is lazy.
   defp eval_here(stream, program, inputs) do
     ref = make_ref()
 

@@ -74,17 +74,38 @@ defmodule Emily.ProgramEvalTest do
     assert Emily.shape(empty) == {0, 3} and l(empty) == []
   end
 
-  test "a compiled program runs on the stream's worker, evaluated all the same" do
+  test "a compiled program runs on the calling thread too, from many at once" do
     ins = inputs()
     Emily.eval(ins)
     p = Program.new(Sample.instructions(), inputs: 3, compile: true)
-    assert N.program_eval(s(), p, ins) == :pending
-    # Program.eval asks this first, on the normal scheduler, and so skips that dirty call.
     assert N.program_compiled(p)
     refute N.program_compiled(Program.new(Sample.instructions(), inputs: 3))
-    [out] = Program.eval(p, ins)
+    # Not on the normal scheduler's path; on the dirty one's, each thread's compile cache
+    # holding its own entry.
+    assert N.program_eval_async(s(), p, ins, make_ref()) == :dirty
+    assert [out] = N.program_eval(s(), p, ins)
     assert {:ok, _} = N.to_binary(make_ref(), out)
     assert_close(l(out), Sample.expected())
+
+    # Many processes (so every dirty scheduler) on many streams, with programs made and
+    # dropped meanwhile (each drop erases its entries from every thread's cache); and
+    # the same instructions on other inputs' shapes.
+    x = t(Enum.map(1..6, &(&1 * 0.5))) |> then(&N.reshape(s(), &1, [2, 3]))
+    Emily.eval(x)
+
+    1..64
+    |> Task.async_stream(
+      fn i ->
+        st = if rem(i, 2) == 0, do: s(), else: Emily.Stream.new(:cpu)
+        [out] = Program.eval(p, ins, stream: st)
+        assert_close(l(out), Sample.expected())
+        fresh = Program.new([{:multiply, [0, 0]}, {:add, [1, 0]}], inputs: 1, compile: true)
+        [y] = Program.eval(fresh, [x], stream: st)
+        assert l(y) == Enum.map(1..6, &(&1 * 0.5 * (&1 * 0.5) + &1 * 0.5))
+      end,
+      max_concurrency: 8
+    )
+    |> Enum.each(&assert(&1 == {:ok, true}))
   end
 
   test "MLX errors raise at the call, naming the instruction, shapes and dtypes" do

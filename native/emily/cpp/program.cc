@@ -1,6 +1,7 @@
 // Graphs: async eval and program replay. See program.h.
 #include "program.h"
 
+#include <algorithm>
 #include <csignal>
 #include <memory>
 #include <mutex>
@@ -186,6 +187,35 @@ std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, con
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs) {
   auto out = std::make_unique<ArrayVec>();
   out->items = c.fn(inputs.items);
+  return out;
+}
+
+CompiledHere::~CompiledHere() {
+  for (auto& cache : caches) mx::detail::compile_erase(cache, id);
+}
+
+std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_t id, int32_t device) {
+  if (device == 0) allow_waiting_for_children();
+  auto spec = std::make_shared<const ProgramSpec>(p);
+  auto c = std::make_unique<CompiledHere>();
+  c->id = id;
+  c->fn = mx::detail::compile(
+      [spec, device](const std::vector<array>& in) { return replay(*spec, in, here(device)); }, id);
+  return c;
+}
+
+std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs) {
+  auto cache = mx::detail::compile_cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    auto known = [&](const mx::detail::CompileCacheWeakPtr& w) {
+      return !w.owner_before(cache) && !cache.owner_before(w);
+    };
+    if (std::none_of(c.caches.begin(), c.caches.end(), known)) c.caches.push_back(cache);
+  }
+  auto out = std::make_unique<ArrayVec>();
+  out->items = c.fn(inputs.items);
+  mx::async_eval(out->items);
   return out;
 }
 

@@ -5,10 +5,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "emily.h"
+#include "mlx/compile_impl.h"
 
 namespace emily {
 
@@ -37,6 +39,18 @@ struct Compiled {
   uint64_t id;
   std::function<std::vector<array>(const std::vector<array>&)> fn;
   ~Compiled();
+};
+
+// A program compiled for the threads that evaluate it themselves (program_eval): each
+// calling thread's compile cache gets its own entry, replayed on that thread's own stream
+// for `device`. Destroyed on any thread, it erases every one of those entries (MLX erases
+// through a weak pointer to the cache, under the cache's lock).
+struct CompiledHere {
+  uint64_t id;
+  std::function<std::vector<array>(const std::vector<array>&)> fn;
+  mutable std::mutex mutex;
+  mutable std::vector<mlx::core::detail::CompileCacheWeakPtr> caches;
+  ~CompiledHere();
 };
 
 std::unique_ptr<ProgramSpec> program_spec_new(size_t n_inputs);
@@ -73,5 +87,7 @@ bool mlx_memory_over_limit();
 
 std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s);
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
+std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_t id, int32_t device);
+std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs);
 
 }  // namespace emily

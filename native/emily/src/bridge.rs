@@ -70,6 +70,7 @@ pub mod ffi {
         include!("program.h");
         type ProgramSpec;
         type Compiled;
+        type CompiledHere;
         fn program_spec_new(n_inputs: usize) -> UniquePtr<ProgramSpec>;
         #[allow(clippy::too_many_arguments)]
         fn program_spec_push(
@@ -102,6 +103,8 @@ pub mod ffi {
         fn mlx_memory_over_limit() -> bool;
         fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+        fn program_compile_here(p: &ProgramSpec, id: u64, device: i32) -> Result<UniquePtr<CompiledHere>>;
+        fn compiled_dispatch_here(c: &CompiledHere, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
 
         fn op_call(
             op: u32,

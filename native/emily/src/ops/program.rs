@@ -108,6 +108,14 @@ struct Spec(cxx::UniquePtr<ffi::ProgramSpec>);
 unsafe impl Send for Spec {}
 unsafe impl Sync for Spec {}
 
+/// A compiled program for the threads that evaluate it themselves (`program_eval`).
+struct Here(cxx::UniquePtr<ffi::CompiledHere>);
+// SAFETY: built once, then only called: each call goes through the calling thread's own
+// MLX compile cache (thread-local), and the list of caches it erases when dropped is
+// behind its mutex; MLX's erase is thread-safe.
+unsafe impl Send for Here {}
+unsafe impl Sync for Here {}
+
 pub struct ProgramResource {
     id: u64,
     n_inputs: usize,
@@ -117,6 +125,8 @@ pub struct ProgramResource {
     spec: Spec,
     /// Workers holding a compiled copy, to erase it there when the program is dropped.
     compiled_on: Mutex<Vec<Weak<Worker>>>,
+    /// The compiled copy `program_eval` calls, by device (made at its first call).
+    here: [Mutex<Option<Arc<Here>>>; 2],
     /// What `program_eval_async` knows of the program, by the signature of its inputs'
     /// shapes and dtypes (see `async_fit`).
     async_fits: Mutex<HashMap<u64, Fit>>,
@@ -218,6 +228,7 @@ fn program_new<'a>(
         compile,
         spec: Spec(spec),
         compiled_on: Mutex::new(Vec::new()),
+        here: Default::default(),
         async_fits: Mutex::new(HashMap::new()),
     }))
 }
@@ -274,8 +285,9 @@ fn program_run(
 
 /// `program_eval(stream, program, inputs)`: runs and evaluates the program right here, on
 /// the calling (dirty) scheduler thread, and returns its outputs evaluated, as tensors of
-/// `stream`; or `:pending`, touching nothing, when some input is not evaluated yet or the
-/// program is compiled (a compiled program lives on the workers that compiled it).
+/// `stream`; or `:pending`, touching nothing, when some input is not evaluated yet. A
+/// compiled program is called through its compiled copy for the threads that evaluate
+/// it themselves (each thread's MLX compile cache holds its own entry).
 ///
 /// This skips the two thread hand-offs of `program_run` + `eval` (to the worker, and the
 /// reply back). It is allowed by MLX's thread rules because the whole graph is built and
@@ -292,7 +304,7 @@ fn program_eval<'a>(
     const OP: &str = "program_eval";
     let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
     let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
-    let Some(evaluated) = evaluated.filter(|_| !program.compile) else {
+    let Some(evaluated) = evaluated else {
         return Ok(crate::atoms::pending().encode(env));
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
@@ -300,9 +312,13 @@ fn program_eval<'a>(
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         let device = worker.device as i32;
         let start = Instant::now();
-        let mut out =
-            ffi::program_dispatch_here(&program.spec.0, &v, device).map_err(|e| mlx_error(OP, e, &refs))?;
-        if worker.device == Device::Cpu {
+        let mut out = if program.compile {
+            program.compiled_here(worker.device).and_then(|here| ffi::compiled_dispatch_here(&here.0, &v))
+        } else {
+            ffi::program_dispatch_here(&program.spec.0, &v, device)
+        }
+        .map_err(|e| mlx_error(OP, e, &refs))?;
+        if worker.device == Device::Cpu && !program.compile {
             program.handed_over(ffi::inputs_signature(&v), start.elapsed(), false);
         }
         ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
@@ -349,6 +365,16 @@ struct Fit {
 }
 
 impl ProgramResource {
+    fn compiled_here(&self, device: Device) -> Result<Arc<Here>, cxx::Exception> {
+        let mut here = self.here[device as usize].lock().unwrap();
+        if let Some(h) = &*here {
+            return Ok(h.clone());
+        }
+        let h = Arc::new(Here(ffi::program_compile_here(&self.spec.0, self.id, device as i32)?));
+        *here = Some(h.clone());
+        Ok(h)
+    }
+
     fn handed_over(&self, signature: u64, took: Duration, taken: bool) {
         let mut fits = self.async_fits.lock().unwrap();
         let fit = fits.entry(signature).or_default();
