@@ -77,12 +77,14 @@ defmodule Emily.Program do
   threads, then sleeps and must be woken (on two cores, 10-20% of a 100 us graph;
   `bench/README.md`).
 
-  With `compile: true`, the first run on each thread (a stream's worker for `run/3`; for
-  `eval/3`, the dirty scheduler that runs it) traces the program and compiles it with
-  `mx::compile` (fused elementwise kernels; on the CPU MLX builds them with the system
-  C++ compiler, and falls back to unfused code without one). MLX's compile cache is
-  thread-local: the compiled function is cached per thread and per input shapes and
-  dtypes, and every thread's entry is dropped when the program is garbage.
+  With `compile: true`, the first run on each thread (a stream's worker for `run/3`, and
+  for `eval/3` on a GPU; for `eval/3` on the CPU, the dirty scheduler that runs it:
+  MLX's fused CUDA kernels are not safe to evaluate from several threads at once)
+  traces the program and compiles it with `mx::compile` (fused elementwise kernels; on
+  the CPU MLX builds them with the system C++ compiler, and falls back to unfused code
+  without one). MLX's compile cache is thread-local: the compiled function is cached
+  per thread and per input shapes and dtypes, and every thread's entry is dropped when
+  the program is garbage.
   """
 
   @type t :: reference()
@@ -149,13 +151,17 @@ defmodule Emily.Program do
 
   # Inputs evaluated: on the calling process's own scheduler when the program qualifies
   # (`program_eval_async`: not compiled, on the CPU, taken quickly by MLX), on a dirty
-  # CPU scheduler otherwise. `:pending` when an input is lazy.
+  # CPU scheduler otherwise; a compiled GPU program on the stream's worker. `:pending`
+  # when an input is lazy.
   defp eval_here(stream, program, inputs) do
     ref = make_ref()
 
     case Emily.Native.program_eval_async(stream, program, inputs, ref) do
       :dirty ->
-        Emily.Native.program_eval(stream, program, inputs)
+        case Emily.Native.program_eval(stream, program, inputs) do
+          :worker -> on_worker(stream, program, inputs)
+          outputs -> outputs
+        end
 
       outputs when is_list(outputs) ->
         outputs
@@ -164,6 +170,12 @@ defmodule Emily.Program do
         :ok = Emily.await(ref)
         Emily.Native.program_eval_take(pending)
     end
+  end
+
+  defp on_worker(stream, program, inputs) do
+    outputs = Emily.Native.program_run(stream, program, inputs)
+    Emily.evaluate(outputs)
+    outputs
   end
 
   @doc "`%{inputs: n, instructions: n, outputs: n, compile: boolean}`."

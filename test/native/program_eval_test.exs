@@ -74,22 +74,33 @@ defmodule Emily.ProgramEvalTest do
     assert Emily.shape(empty) == {0, 3} and l(empty) == []
   end
 
-  test "a compiled program runs on the calling thread too, from many at once" do
+  test "a compiled CPU program runs on the calling thread too, from many at once" do
     ins = inputs()
     Emily.eval(ins)
     p = Program.new(Sample.instructions(), inputs: 3, compile: true)
     assert N.program_compiled(p)
     refute N.program_compiled(Program.new(Sample.instructions(), inputs: 3))
-    # Not on the normal scheduler's path; on the dirty one's, each thread's compile cache
-    # holding its own entry.
+    # Not on the normal scheduler's path; on the CPU, on the dirty one's, each thread's
+    # compile cache holding its own entry; on a GPU, on the stream's worker.
     assert N.program_eval_async(s(), p, ins, make_ref()) == :dirty
-    assert [out] = N.program_eval(s(), p, ins)
-    assert {:ok, _} = N.to_binary(make_ref(), out)
+
+    case Emily.Stream.device(s()) do
+      :cpu ->
+        assert [out] = N.program_eval(s(), p, ins)
+        assert {:ok, _} = N.to_binary(make_ref(), out)
+        assert_close(l(out), Sample.expected())
+
+      :gpu ->
+        assert N.program_eval(s(), p, ins) == :worker
+    end
+
+    [out] = Program.eval(p, ins)
     assert_close(l(out), Sample.expected())
 
-    # Many processes (so every dirty scheduler) on many streams, with programs made and
-    # dropped meanwhile (each drop erases its entries from every thread's cache); and
-    # the same instructions on other inputs' shapes.
+    # Many processes (so every dirty scheduler) on many streams (on a GPU build, both
+    # devices: a thread's compiled copies for each device are kept apart), with programs
+    # made and dropped meanwhile (each drop erases its entries from every thread's
+    # cache); and the same instructions on other inputs' shapes.
     x = t(Enum.map(1..6, &(&1 * 0.5))) |> then(&N.reshape(s(), &1, [2, 3]))
     Emily.eval(x)
 
@@ -103,7 +114,9 @@ defmodule Emily.ProgramEvalTest do
         [y] = Program.eval(fresh, [x], stream: st)
         assert l(y) == Enum.map(1..6, &(&1 * 0.5 * (&1 * 0.5) + &1 * 0.5))
       end,
-      max_concurrency: 8
+      max_concurrency: 8,
+      # (A GPU's first compile of a program can take seconds.)
+      timeout: 60_000
     )
     |> Enum.each(&assert(&1 == {:ok, true}))
   end

@@ -22,7 +22,7 @@ pub mod term;
 pub mod worker;
 
 pub(crate) mod atoms {
-    rustler::atoms! { ok, error, cpu, gpu, already_released, pending, dirty }
+    rustler::atoms! { ok, error, cpu, gpu, already_released, pending, dirty, worker }
 }
 
 rustler::init!("Elixir.Emily.Native");

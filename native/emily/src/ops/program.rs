@@ -125,8 +125,8 @@ pub struct ProgramResource {
     spec: Spec,
     /// Workers holding a compiled copy, to erase it there when the program is dropped.
     compiled_on: Mutex<Vec<Weak<Worker>>>,
-    /// The compiled copy `program_eval` calls, by device (made at its first call).
-    here: [Mutex<Option<Arc<Here>>>; 2],
+    /// The compiled copy `program_eval` calls on the CPU (made at its first call).
+    here: Mutex<Option<Arc<Here>>>,
     /// What `program_eval_async` knows of the program, by the signature of its inputs'
     /// shapes and dtypes (see `async_fit`).
     async_fits: Mutex<HashMap<u64, Fit>>,
@@ -149,7 +149,8 @@ impl Drop for ProgramResource {
 }
 
 /// Program ids live in their own range, far from the function addresses MLX uses as
-/// compile-cache keys for its own compiled functions.
+/// compile-cache keys for its own compiled functions (a program's compiled copy for
+/// `program_eval` adds 2^60 to its id).
 const PROGRAM_ID_BASE: u64 = 1 << 62;
 
 /// `program_new(n_inputs, instrs, outputs, compile)`: checks and decodes a program.
@@ -286,8 +287,12 @@ fn program_run(
 /// `program_eval(stream, program, inputs)`: runs and evaluates the program right here, on
 /// the calling (dirty) scheduler thread, and returns its outputs evaluated, as tensors of
 /// `stream`; or `:pending`, touching nothing, when some input is not evaluated yet. A
-/// compiled program is called through its compiled copy for the threads that evaluate
-/// it themselves (each thread's MLX compile cache holds its own entry).
+/// compiled CPU program is called through its compiled copy for the threads that
+/// evaluate it themselves (each thread's MLX compile cache holds its own entry); a
+/// compiled GPU program answers `:worker`, touching nothing: MLX's CUDA fused kernels
+/// are not safe to evaluate from several threads at once (an integer division by zero
+/// inside `Compiled::eval_gpu`, seen on an H200 with eight threads), so it runs on its
+/// stream's worker (`program_run`).
 ///
 /// This skips the two thread hand-offs of `program_run` + `eval` (to the worker, and the
 /// reply back). It is allowed by MLX's thread rules because the whole graph is built and
@@ -303,6 +308,9 @@ fn program_eval<'a>(
 ) -> NifResult<Term<'a>> {
     const OP: &str = "program_eval";
     let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
+    if program.compile && worker.device != Device::Cpu {
+        return Ok(crate::atoms::worker().encode(env));
+    }
     let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
     let Some(evaluated) = evaluated else {
         return Ok(crate::atoms::pending().encode(env));
@@ -313,7 +321,7 @@ fn program_eval<'a>(
         let device = worker.device as i32;
         let start = Instant::now();
         let mut out = if program.compile {
-            program.compiled_here(worker.device).and_then(|here| ffi::compiled_dispatch_here(&here.0, &v))
+            program.compiled_here().and_then(|here| ffi::compiled_dispatch_here(&here.0, &v))
         } else {
             ffi::program_dispatch_here(&program.spec.0, &v, device)
         }
@@ -365,12 +373,14 @@ struct Fit {
 }
 
 impl ProgramResource {
-    fn compiled_here(&self, device: Device) -> Result<Arc<Here>, cxx::Exception> {
-        let mut here = self.here[device as usize].lock().unwrap();
+    fn compiled_here(&self) -> Result<Arc<Here>, cxx::Exception> {
+        let mut here = self.here.lock().unwrap();
         if let Some(h) = &*here {
             return Ok(h.clone());
         }
-        let h = Arc::new(Here(ffi::program_compile_here(&self.spec.0, self.id, device as i32)?));
+        // A compile-cache key of its own, apart from the workers' copies'.
+        let id = self.id + (1 << 60);
+        let h = Arc::new(Here(ffi::program_compile_here(&self.spec.0, id, Device::Cpu as i32)?));
         *here = Some(h.clone());
         Ok(h)
     }
