@@ -93,7 +93,7 @@ if Code.ensure_loaded?(Nx) do
     `Emily.Backend.block/4`. Inputs that are not Emily tensors are copied in. Both paths
     compute each op with the same MLX ops and casts, so their results agree; the native
     path runs a graph in one native call rather than one op per node (on bench/'s
-    models, 1.5 to 4.7 times as fast).
+    graphs, 1.3 to 5.9 times as fast).
 
     ## Options
 
