@@ -41,23 +41,22 @@ if Code.ensure_loaded?(Nx) do
       Nx.Block.LinAlg.Determinant
     ]
 
+    # The ops lowered to a list of slots: loops, conditionals, and what runs on the host
+    # (Emily.Compiler.Native.Plan): hooks, runtime calls, and the linear algebra above,
+    # outside unrolled loops, conditionals and blocks.
+    defguardp listed(op) when op in [:while, :cond, :triangular_solve] or op in @calls
+
     @doc false
-    # Linear algebra (above), and `triangular_solve`, on the host.
-    def lower_op(:block, [%struct{} | _], t, st) when struct in @linalg do
-      {[slot], st} = on_host(t, st)
-      {slot, st}
-    end
+    # Such an op's one result, or an element of its tuple.
+    def lower_op(op, _args, t, st) when listed(op), do: only(t, st)
+    def lower_op(:block, [%struct{} | _], t, st) when struct in @linalg, do: only(t, st)
 
-    def lower_op(:elem, [%T{data: %Expr{op: :block, args: [%struct{} | _]}} = block, i], _t, st)
-        when struct in @linalg do
-      {slots, st} = on_host(block, st)
-      {Enum.at(slots, i), st}
-    end
+    def lower_op(:elem, [%T{data: %Expr{op: op}} = node, i], _t, st) when listed(op),
+      do: nth(node, i, st)
 
-    def lower_op(:triangular_solve, _args, t, st) do
-      {[slot], st} = on_host(t, st)
-      {slot, st}
-    end
+    def lower_op(:elem, [%T{data: %Expr{op: :block, args: [%struct{} | _]}} = node, i], _t, st)
+        when struct in @linalg,
+        do: nth(node, i, st)
 
     # A block without a kernel (see Emily.Compiler.Native.Ops): its default
     # implementation (Nx's own, built of other ops), as Emily.Backend runs it.
@@ -72,38 +71,6 @@ if Code.ensure_loaded?(Nx) do
       nested(st, &lower_node(elem(default, i), &1))
     end
 
-    def lower_op(:while, _args, t, st) do
-      {[slot], st} = unrolled(t, st)
-      {slot, st}
-    end
-
-    def lower_op(:elem, [%T{data: %Expr{op: :while}} = loop, i], _t, st) do
-      {slots, st} = unrolled(loop, st)
-      {Enum.at(slots, i), st}
-    end
-
-    def lower_op(:cond, _args, t, st) do
-      {[slot], st} = cond_results(t, st)
-      {slot, st}
-    end
-
-    def lower_op(:elem, [%T{data: %Expr{op: :cond}} = c, i], _t, st) do
-      {slots, st} = cond_results(c, st)
-      {Enum.at(slots, i), st}
-    end
-
-    # What runs on the host (Emily.Compiler.Native.Plan): a hook or a runtime_call,
-    # outside unrolled loops, conditionals and blocks.
-    def lower_op(op, _args, t, st) when op in @calls do
-      {[slot], st} = on_host(t, st)
-      {slot, st}
-    end
-
-    def lower_op(:elem, [%T{data: %Expr{op: op}} = call, i], _t, st) when op in @calls do
-      {slots, st} = on_host(call, st)
-      {Enum.at(slots, i), st}
-    end
-
     # An element of a tuple wrapped in metadata (a custom gradient, say): that element.
     def lower_op(:elem, [%T{data: %Expr{op: :metadata, args: [tuple, _meta]}}, i], _t, st)
         when is_tuple(tuple),
@@ -114,6 +81,20 @@ if Code.ensure_loaded?(Nx) do
       do: throw({:unsupported, {:op, op}})
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
+
+    defp only(t, st) do
+      {[slot], st} = slots(t, st)
+      {slot, st}
+    end
+
+    defp nth(node, i, st) do
+      {slots, st} = slots(node, st)
+      {Enum.at(slots, i), st}
+    end
+
+    defp slots(%T{data: %Expr{op: :while}} = loop, st), do: unrolled(loop, st)
+    defp slots(%T{data: %Expr{op: :cond}} = c, st), do: cond_results(c, st)
+    defp slots(t, st), do: on_host(t, st)
 
     # A `while` whose condition reads no input (a loop over a range or a tensor's
     # elements, Nx.Random's rounds) runs a number of times known here: it is unrolled,
