@@ -10,7 +10,7 @@ if Code.ensure_loaded?(Nx) do
 
     The **native path** (the default) lowers the graph once (at `Nx.Defn.compile`,
     or at the first `Nx.Defn.jit` call for given input shapes and types: see `:cache`)
-    into one `Emily.Program` (or a few, around a loop that runs on the host: see below)
+    into one `Emily.Program` (or a few, around what runs on the host: see below)
     and replays it per run in one native call, with the inputs (and the graph's
     captured tensors) as the program's inputs, returning its outputs evaluated
     (`Emily.Program.eval/3`: the call builds and evaluates the graph itself, with no
@@ -71,11 +71,11 @@ if Code.ensure_loaded?(Nx) do
     unrolled loop, as in a vectorized `while` whose condition reads an input; a hook or
     a runtime call on vectorized tensors; `reduce` and `window_reduce` with another
     function, complex convolutions, other types) runs whole on the evaluator path
-    (below) and emits
-    `[:emily, :compiler, :evaluator_fallback]` telemetry with `%{reason: reason}`
-    (`{:op, op}`, `{:type, type}`, `{:while, :condition_reads_input}`, ...; an error
-    while lowering a graph it traced, a bug, falls back too, as `{:lowering_failed,
-    exception, message}`); the graph is not lowered again.
+    (below) and emits `[:emily, :compiler, :evaluator_fallback]` telemetry with
+    `%{reason: reason}` (`{:op, op}`, `{:type, type}`, `{:while,
+    :condition_reads_input}`, ...; an error while lowering a graph it traced, a bug,
+    falls back too, as `{:lowering_failed, exception, message}`); the graph is not
+    lowered again.
 
     What reads no input (constants, iotas and what is computed from them alone, such
     as a causal mask) is computed once, when the graph is lowered, and held by the
