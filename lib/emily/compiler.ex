@@ -24,7 +24,8 @@ if Code.ensure_loaded?(Nx) do
         `erf_inv` as `Emily.Backend` computes it; on f64 not those `Emily.Backend`
         computes on `Nx.BinaryBackend` for accuracy), `select`, `clip`, `bitcast`,
         `real`, `imag`, `conjugate`, and `as_type` (float to integer as Nx converts:
-        truncation, NaN to 0, infinities to the type's limits; not from complex);
+        truncation, NaN to 0, infinities to the type's limits; from complex, of the
+        real part);
       * `reshape`, `squeeze`, `transpose`, `reverse`, `broadcast`, `pad`, `slice` and
         `put_slice` (start indices numbers or tensors), `concatenate`, `stack`;
       * `dot` (batched too), `conv` (real types), `sum`, `product`, `reduce_max`,

@@ -49,6 +49,9 @@ if Code.ensure_loaded?(Nx) do
        Nx.as_type(a, :u64), Nx.as_type(Nx.as_type(y, :bf16), :s16)}
     end
 
+    # From complex: the real part (to an integer, as a float converts).
+    defn(from_complex(z), do: {Nx.as_type(z, :f32), Nx.as_type(z, :s32), Nx.as_type(z, :u8)})
+
     # `x - 1` twice as two Nx nodes, and `i` cast to f32 for three ops.
     defn(duplicates(x, i), do: {(x - 1) * (x - 1) + i, (x + i) * i})
 
@@ -801,6 +804,8 @@ if Code.ensure_loaded?(Nx) do
     test "float to integer as_type: truncation, NaN to 0, infinities to the type's limits" do
       x = Nx.tensor([0.4, -1.5, 2.0, 30.7, :nan, :infinity, :neg_infinity])
       check_paths(&truncations/1, [x])
+      z = Nx.complex(Nx.tensor([0.4, -1.5, 2.0, 300.7]), Nx.tensor([1.0, -2.0, 0.5, 3.0]))
+      check_paths(&from_complex/1, [z])
       [s32 | _] = Tuple.to_list(hd(native_results(&truncations/1, [x])))
       assert Nx.to_flat_list(s32) == [1, -4, 6, 92, 0, 2_147_483_647, -2_147_483_648]
     end

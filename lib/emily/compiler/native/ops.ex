@@ -269,10 +269,20 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # Nx's float to integer cast, as Emily.Backend's: truncation, NaN to 0, infinities to
-    # the type's limits.
+    # the type's limits (from complex, of the real part). A complex to float cast keeps
+    # the real part (MLX's astype, below, as Emily.Backend's).
     def lower_op(:as_type, [%T{type: {fk, _} = from} = x], %T{type: {tk, _} = to}, st)
-        when fk in [:f, :bf] and tk in [:u, :s] do
+        when fk in [:f, :bf, :c] and tk in [:u, :s] do
       {x, st} = lower_node(x, st)
+
+      {x, from, st} =
+        if fk == :c do
+          {re, st} = emit(st, :real, [x])
+          {re, {:f, 32}, st}
+        else
+          {x, from, st}
+        end
+
       {y, st} = emit(st, :astype, [x, to])
       {nan, st} = emit(st, :isnan, [x])
       {zero, st} = emit(st, :full, [{}, 0, to])
@@ -286,9 +296,6 @@ if Code.ensure_loaded?(Nx) do
       {min, st} = int_limit(st, :min, to)
       emit(st, :where, [below, min, y])
     end
-
-    def lower_op(:as_type, [%T{type: {:c, _} = from}], %T{type: to}, _st),
-      do: throw({:unsupported, {:as_type, from, to}})
 
     def lower_op(:as_type, [x], %T{type: to}, st), do: operand(x, to, st)
 
