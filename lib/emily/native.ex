@@ -28,9 +28,10 @@ defmodule Emily.Native do
       in one call, optionally compiled (`Emily.Program` documents the format);
       `program_eval/3` runs and evaluates one on the calling dirty scheduler when its
       inputs are evaluated (`:pending` otherwise, which `tensor_evaluated/1` tells
-      without that dirty call); `program_eval_async/4` and `program_eval_take/1` do the
-      same for a CPU program, not compiled, that MLX takes quickly, without the dirty
-      scheduler (`:dirty` when it does not qualify; see `Emily.Program.eval/3`);
+      without that dirty call; `:worker` for a compiled GPU program, which runs on its
+      stream's worker); `program_eval_async/4` and `program_eval_take/1` do the
+      same for a CPU program that MLX takes quickly, without the dirty scheduler
+      (`:dirty` when it does not qualify; see `Emily.Program.eval/3`);
       `program_compiled/1` tells whether a program was built with `compile: true`;
       `op_table/0` lists the ops programs can use.
     * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op

@@ -84,7 +84,9 @@ defmodule Emily.Program do
   the CPU MLX builds them with the system C++ compiler, and falls back to unfused code
   without one). MLX's compile cache is thread-local: the compiled function is cached
   per thread and per input shapes and dtypes, and every thread's entry is dropped when
-  the program is garbage.
+  the program is garbage. Once a CPU program is compiled for some input shapes, `eval/3`
+  with inputs of those shapes may take the caller's own scheduler as above (a small
+  graph): MLX's fused kernels are then built, and that thread only traces the program.
   """
 
   @type t :: reference()
@@ -150,9 +152,9 @@ defmodule Emily.Program do
   end
 
   # Inputs evaluated: on the calling process's own scheduler when the program qualifies
-  # (`program_eval_async`: not compiled, on the CPU, taken quickly by MLX), on a dirty
-  # CPU scheduler otherwise; a compiled GPU program on the stream's worker. `:pending`
-  # when an input is lazy.
+  # (`program_eval_async`: on the CPU, taken quickly by MLX, compiled already if it is
+  # compiled), on a dirty CPU scheduler otherwise; a compiled GPU program on the
+  # stream's worker. `:pending` when an input is lazy.
   defp eval_here(stream, program, inputs) do
     ref = make_ref()
 

@@ -80,8 +80,9 @@ defmodule Emily.ProgramEvalTest do
     p = Program.new(Sample.instructions(), inputs: 3, compile: true)
     assert N.program_compiled(p)
     refute N.program_compiled(Program.new(Sample.instructions(), inputs: 3))
-    # Not on the normal scheduler's path; on the CPU, on the dirty one's, each thread's
-    # compile cache holding its own entry; on a GPU, on the stream's worker.
+    # On the CPU, first on the dirty scheduler's path (which compiles it), each thread's
+    # compile cache holding its own entry; then, for inputs of the shapes it was compiled
+    # for, on the caller's own scheduler too. On a GPU, on the stream's worker.
     assert N.program_eval_async(s(), p, ins, make_ref()) == :dirty
 
     case Emily.Stream.device(s()) do
@@ -89,6 +90,33 @@ defmodule Emily.ProgramEvalTest do
         assert [out] = N.program_eval(s(), p, ins)
         assert {:ok, _} = N.to_binary(make_ref(), out)
         assert_close(l(out), Sample.expected())
+        # (It answers :dirty while MLX has other work in flight, as for any program.)
+        [out] =
+          Enum.find_value(1..100, fn _ ->
+            ref = make_ref()
+
+            case N.program_eval_async(s(), p, ins, ref) do
+              :dirty ->
+                Process.sleep(10)
+                nil
+
+              outputs when is_list(outputs) ->
+                outputs
+
+              pending ->
+                assert :ok = Emily.await(ref)
+                N.program_eval_take(pending)
+            end
+          end)
+
+        assert_close(l(out), Sample.expected())
+
+        # Other shapes: the dirty path again, until compiled for them.
+        wide =
+          Enum.map(ins, &if(Emily.shape(&1) == {}, do: &1, else: N.concatenate(s(), [&1, &1], 0)))
+
+        Emily.eval(wide)
+        assert N.program_eval_async(s(), p, wide, make_ref()) == :dirty
 
       :gpu ->
         assert N.program_eval(s(), p, ins) == :worker

@@ -86,27 +86,28 @@ std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const Arra
 
 void program_finish_here(ArrayVec& outputs, int32_t device) { evaluate_row_contiguous(outputs.items, here(device)); }
 
-// The graph program_eval_async hands to MLX: the replay on this thread's CPU stream `s`, each
-// output ending in MLX's `contiguous`. Outputs leave as plain bytes, and whether one is
+// The graph program_eval_async hands to MLX: the outputs on this thread's CPU stream `s`,
+// each ending in MLX's `contiguous`. Outputs leave as plain bytes, and whether one is
 // row-contiguous is known only once it is computed (`contiguous` shares the buffer when
 // it is). An input passed through is contiguous already.
-static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs,
-                                           const Stream& s) {
-  auto out = replay(p, inputs, s);
+static std::vector<array> for_export(std::vector<array> out, const Stream& s) {
   for (auto& a : out)
     if (a.has_primitive()) a = mx::contiguous(a, false, s);
   return out;
 }
 
-std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
-  Stream s = mx::default_stream(mx::Device::cpu);
-  auto out = std::make_unique<ArrayVec>();
-  out->items = replay_for_export(p, inputs.items, s);
-  mx::async_eval(out->items);
+static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs,
+                                           const Stream& s) {
+  return for_export(replay(p, inputs, s), s);
+}
+
+// Evaluates `out` on this thread's CPU stream `s`, and calls `done` once it is computed.
+static void eval_then(const std::vector<array>& out, const Stream& s, rust::Box<EvalDone> done) {
+  mx::async_eval(out);
   // Runs after every task of this evaluation (a CPU stream runs its tasks in order),
   // holding the outputs until then. std::function wants a copyable callable.
   auto d = std::make_shared<rust::Box<EvalDone>>(std::move(done));
-  mx::scheduler::enqueue(s, [d, s, keep = out->items]() {
+  mx::scheduler::enqueue(s, [d, s, keep = out]() {
     std::string error;
     try {
       mx::scheduler::check_error(s);
@@ -115,6 +116,13 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
     }
     eval_done(std::move(*d), error);
   });
+}
+
+std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
+  Stream s = mx::default_stream(mx::Device::cpu);
+  auto out = std::make_unique<ArrayVec>();
+  out->items = replay_for_export(p, inputs.items, s);
+  eval_then(out->items, s, std::move(done));
   return out;
 }
 
@@ -204,18 +212,30 @@ std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_
   return c;
 }
 
-std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs) {
+// Notes this thread's compile cache as one to erase `c`'s entries from.
+static void note_cache(const CompiledHere& c) {
   auto cache = mx::detail::compile_cache();
-  {
-    std::lock_guard<std::mutex> lock(c.mutex);
-    auto known = [&](const mx::detail::CompileCacheWeakPtr& w) {
-      return !w.owner_before(cache) && !cache.owner_before(w);
-    };
-    if (std::none_of(c.caches.begin(), c.caches.end(), known)) c.caches.push_back(cache);
-  }
+  std::lock_guard<std::mutex> lock(c.mutex);
+  auto known = [&](const mx::detail::CompileCacheWeakPtr& w) {
+    return !w.owner_before(cache) && !cache.owner_before(w);
+  };
+  if (std::none_of(c.caches.begin(), c.caches.end(), known)) c.caches.push_back(cache);
+}
+
+std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs) {
+  note_cache(c);
   auto out = std::make_unique<ArrayVec>();
   out->items = c.fn(inputs.items);
   mx::async_eval(out->items);
+  return out;
+}
+
+std::unique_ptr<ArrayVec> compiled_eval_async(const CompiledHere& c, const ArrayVec& inputs, rust::Box<EvalDone> done) {
+  note_cache(c);
+  Stream s = mx::default_stream(mx::Device::cpu);
+  auto out = std::make_unique<ArrayVec>();
+  out->items = for_export(c.fn(inputs.items), s);
+  eval_then(out->items, s, std::move(done));
   return out;
 }
 

@@ -89,5 +89,6 @@ std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, con
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
 std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_t id, int32_t device);
 std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs);
+std::unique_ptr<ArrayVec> compiled_eval_async(const CompiledHere& c, const ArrayVec& inputs, rust::Box<EvalDone> done);
 
 }  // namespace emily

@@ -105,6 +105,11 @@ pub mod ffi {
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn program_compile_here(p: &ProgramSpec, id: u64, device: i32) -> Result<UniquePtr<CompiledHere>>;
         fn compiled_dispatch_here(c: &CompiledHere, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
+        fn compiled_eval_async(
+            c: &CompiledHere,
+            inputs: &ArrayVec,
+            done: Box<EvalDone>,
+        ) -> Result<UniquePtr<ArrayVec>>;
 
         fn op_call(
             op: u32,

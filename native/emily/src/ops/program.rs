@@ -20,7 +20,7 @@ use crate::tensor::{mlx_error, Reply, TensorArg, TensorResource};
 use crate::term::{short, List};
 use crate::worker::{next_id, Busy, Device, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -127,6 +127,10 @@ pub struct ProgramResource {
     compiled_on: Mutex<Vec<Weak<Worker>>>,
     /// The compiled copy `program_eval` calls on the CPU (made at its first call).
     here: Mutex<Option<Arc<Here>>>,
+    /// The input signatures that copy was compiled for on some thread: MLX then holds
+    /// their fused CPU kernels process-wide, and another thread's first call only traces
+    /// the program (see `program_eval_async`).
+    compiled_for: Mutex<HashSet<u64>>,
     /// What `program_eval_async` knows of the program, by the signature of its inputs'
     /// shapes and dtypes (see `async_fit`).
     async_fits: Mutex<HashMap<u64, Fit>>,
@@ -230,6 +234,7 @@ fn program_new<'a>(
         spec: Spec(spec),
         compiled_on: Mutex::new(Vec::new()),
         here: Default::default(),
+        compiled_for: Default::default(),
         async_fits: Mutex::new(HashMap::new()),
     }))
 }
@@ -326,7 +331,9 @@ fn program_eval<'a>(
             ffi::program_dispatch_here(&program.spec.0, &v, device)
         }
         .map_err(|e| mlx_error(OP, e, &refs))?;
-        if worker.device == Device::Cpu && !program.compile {
+        if program.compile {
+            program.compiled_for.lock().unwrap().insert(ffi::inputs_signature(&v));
+        } else if worker.device == Device::Cpu {
             program.handed_over(ffi::inputs_signature(&v), start.elapsed(), false);
         }
         ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
@@ -432,8 +439,9 @@ const ASYNC_WAIT: Duration = Duration::from_millis(1);
 const ASYNC_POLL: Duration = Duration::from_micros(50);
 
 /// `program_eval_async(stream, program, inputs, ref)`: `program_eval` without the dirty
-/// scheduler, for a graph on the CPU device (not compiled, evaluated inputs, small or
-/// quickly handed over: `async_fit`), while MLX has no other evaluation in flight. It
+/// scheduler, for a graph on the CPU device (evaluated inputs, small or quickly handed
+/// over: `async_fit`; if compiled, compiled already for its inputs' shapes), while MLX
+/// has no other evaluation in flight. It
 /// builds the graph here, on this scheduler thread's own MLX stream, and hands its
 /// evaluation to MLX's thread for that stream. If the outputs are computed within
 /// `ASYNC_WAIT` of the call, it returns them (or raises their error). Otherwise it
@@ -467,7 +475,7 @@ fn program_eval_async<'a>(
     const OP: &str = "program_eval";
     let start = Instant::now();
     let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
-    if worker.device != Device::Cpu || program.compile {
+    if worker.device != Device::Cpu {
         return Ok(crate::atoms::dirty().encode(env));
     }
     let evaluated: Option<Vec<_>> = inputs.iter().map(|t| t.evaluated()).collect();
@@ -476,6 +484,16 @@ fn program_eval_async<'a>(
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let signature = ffi::inputs_signature(&v);
+    // A compiled program, once a dirty run has compiled it for these inputs' shapes: its
+    // fused kernels exist then, and this thread's first call only traces it (on the
+    // CPU, MLX's kernel library is process-wide; its compile cache, per thread).
+    let here = match program.compile {
+        false => None,
+        true if program.compiled_for.lock().unwrap().contains(&signature) => {
+            Some(program.compiled_here().map_err(|e| crate::error::raise(&mlx_error(OP, e, &[])))?)
+        }
+        true => return Ok(crate::atoms::dirty().encode(env)),
+    };
     let (fit, small) = match mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
         Some(found) => found,
         None => return Ok(crate::atoms::dirty().encode(env)),
@@ -491,7 +509,10 @@ fn program_eval_async<'a>(
     // `done` holds the call (and the evaluation after it) busy for the exit guard.
     let queued = {
         let _hold = crate::hold::Hold::cpu_stream();
-        ffi::program_eval_async(&program.spec.0, &v, done)
+        match &here {
+            Some(here) => ffi::compiled_eval_async(&here.0, &v, done),
+            None => ffi::program_eval_async(&program.spec.0, &v, done),
+        }
     };
     let out = queued.map_err(|e| {
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
