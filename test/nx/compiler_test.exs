@@ -265,30 +265,27 @@ if Code.ensure_loaded?(Nx) do
       end
 
       test "an io_call outside the branches that read it runs once" do
-        pid = self()
-        hooks = %{double: &send(pid, {:double, Nx.to_flat_list(&1)})}
-
-        both_paths(fn opts ->
-          jit = ejit(&doubled_in_branches/1, [hooks: hooks] ++ opts)
-
-          for {x, expected} <- [{1.0, 18.0}, {-1.0, -1.0}] do
-            assert Nx.to_flat_list(jit.(Nx.tensor([x]))) == [expected]
-            assert_receive {:double, [_]}
-            refute_received {:double, _}
-          end
-        end)
+        hooked_runs(&doubled_in_branches/1, [{1.0, 18.0, 2.0}, {-1.0, -1.0, -2.0}])
       end
 
       test "an io_call in a branch runs when the branch is taken" do
+        hooked_runs(&doubled_if_positive/1, [{1.0, 3.0, 2.0}, {-1.0, -1.0, nil}])
+      end
+
+      # `fun` on each path, for each `{x, result, hooked}`: its result on `[x]`, and the
+      # value its `:double` hook received, once (nil: it did not run).
+      defp hooked_runs(fun, cases) do
         pid = self()
         hooks = %{double: &send(pid, {:double, Nx.to_flat_list(&1)})}
 
         both_paths(fn opts ->
-          jit = ejit(&doubled_if_positive/1, [hooks: hooks] ++ opts)
-          assert Nx.to_flat_list(jit.(Nx.tensor([1.0]))) == [3.0]
-          assert_receive {:double, [2.0]}
-          assert Nx.to_flat_list(jit.(Nx.tensor([-1.0]))) == [-1.0]
-          refute_received {:double, _}
+          jit = ejit(fun, [hooks: hooks] ++ opts)
+
+          for {x, expected, hooked} <- cases do
+            assert Nx.to_flat_list(jit.(Nx.tensor([x]))) == [expected]
+            if hooked, do: assert_receive({:double, [^hooked]})
+            refute_received {:double, _}
+          end
         end)
       end
     end
