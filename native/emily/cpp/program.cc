@@ -161,7 +161,6 @@ int32_t mlx_tasks_in_flight() { return mx::scheduler::n_active_tasks(); }
 
 bool mlx_memory_over_limit() { return mx::get_active_memory() > mx::get_memory_limit(); }
 
-Compiled::~Compiled() { mx::detail::compile_erase(mx::detail::compile_cache(), id); }
 
 // On the CPU, MLX builds fused kernels by running the system C++ compiler (system() and
 // popen()/pclose()). The BEAM sets SIGCHLD to SIG_IGN, which makes the kernel reap those
@@ -183,29 +182,14 @@ static void allow_waiting_for_children() {
   });
 }
 
-std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s) {
-  if (s.device == mx::Device::cpu) allow_waiting_for_children();
-  auto spec = std::make_shared<const ProgramSpec>(p);
-  auto c = std::make_unique<Compiled>();
-  c->id = id;
-  c->fn = mx::detail::compile([spec, s](const std::vector<array>& in) { return replay(*spec, in, s); }, id);
-  return c;
-}
-
-std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs) {
-  auto out = std::make_unique<ArrayVec>();
-  out->items = c.fn(inputs.items);
-  return out;
-}
-
-CompiledHere::~CompiledHere() {
+Compiled::~Compiled() {
   for (auto& cache : caches) mx::detail::compile_erase(cache, id);
 }
 
-std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_t id, int32_t device) {
+std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, int32_t device) {
   if (device == 0) allow_waiting_for_children();
   auto spec = std::make_shared<const ProgramSpec>(p);
-  auto c = std::make_unique<CompiledHere>();
+  auto c = std::make_unique<Compiled>();
   c->id = id;
   c->fn = mx::detail::compile(
       [spec, device](const std::vector<array>& in) { return replay(*spec, in, here(device)); }, id);
@@ -213,7 +197,7 @@ std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_
 }
 
 // Notes this thread's compile cache as one to erase `c`'s entries from.
-static void note_cache(const CompiledHere& c) {
+static void note_cache(const Compiled& c) {
   auto cache = mx::detail::compile_cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   auto known = [&](const mx::detail::CompileCacheWeakPtr& w) {
@@ -222,15 +206,14 @@ static void note_cache(const CompiledHere& c) {
   if (std::none_of(c.caches.begin(), c.caches.end(), known)) c.caches.push_back(cache);
 }
 
-std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs) {
+std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs) {
   note_cache(c);
   auto out = std::make_unique<ArrayVec>();
   out->items = c.fn(inputs.items);
-  mx::async_eval(out->items);
   return out;
 }
 
-std::unique_ptr<ArrayVec> compiled_eval_async(const CompiledHere& c, const ArrayVec& inputs, rust::Box<EvalDone> done) {
+std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec& inputs, rust::Box<EvalDone> done) {
   note_cache(c);
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();

@@ -33,24 +33,18 @@ struct ProgramSpec {
   std::vector<uint32_t> outputs;
 };
 
-// A program compiled on one worker thread. MLX's compile cache is thread-local: it is
-// called and destroyed (erasing its cache entry) on the thread that built it.
+// A program compiled with mx::compile, for every thread that runs it (a stream's worker,
+// or the scheduler of a program_eval): MLX's compile cache is thread-local, so each
+// calling thread's cache gets its own entry, replayed on that thread's default stream
+// for `device` (a worker's is its own stream). Destroyed on any thread, it erases every
+// one of those entries (MLX erases through a weak pointer to the cache, under the cache's
+// lock).
 struct Compiled {
-  uint64_t id;
-  std::function<std::vector<array>(const std::vector<array>&)> fn;
-  ~Compiled();
-};
-
-// A program compiled for the threads that evaluate it themselves (program_eval): each
-// calling thread's compile cache gets its own entry, replayed on that thread's own stream
-// for `device`. Destroyed on any thread, it erases every one of those entries (MLX erases
-// through a weak pointer to the cache, under the cache's lock).
-struct CompiledHere {
   uint64_t id;
   std::function<std::vector<array>(const std::vector<array>&)> fn;
   mutable std::mutex mutex;
   mutable std::vector<mlx::core::detail::CompileCacheWeakPtr> caches;
-  ~CompiledHere();
+  ~Compiled();
 };
 
 std::unique_ptr<ProgramSpec> program_spec_new(size_t n_inputs);
@@ -85,10 +79,8 @@ void hold_cpu_stream(rust::Box<HoldTask> task);
 int32_t mlx_tasks_in_flight();
 bool mlx_memory_over_limit();
 
-std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, const Stream& s);
+std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, int32_t device);
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
-std::unique_ptr<CompiledHere> program_compile_here(const ProgramSpec& p, uint64_t id, int32_t device);
-std::unique_ptr<ArrayVec> compiled_dispatch_here(const CompiledHere& c, const ArrayVec& inputs);
-std::unique_ptr<ArrayVec> compiled_eval_async(const CompiledHere& c, const ArrayVec& inputs, rust::Box<EvalDone> done);
+std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec& inputs, rust::Box<EvalDone> done);
 
 }  // namespace emily

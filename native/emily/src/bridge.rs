@@ -70,7 +70,6 @@ pub mod ffi {
         include!("program.h");
         type ProgramSpec;
         type Compiled;
-        type CompiledHere;
         fn program_spec_new(n_inputs: usize) -> UniquePtr<ProgramSpec>;
         #[allow(clippy::too_many_arguments)]
         fn program_spec_push(
@@ -101,12 +100,10 @@ pub mod ffi {
         fn hold_cpu_stream(task: Box<HoldTask>) -> Result<()>;
         fn mlx_tasks_in_flight() -> i32;
         fn mlx_memory_over_limit() -> bool;
-        fn program_compile(p: &ProgramSpec, id: u64, s: &Stream) -> Result<UniquePtr<Compiled>>;
+        fn program_compile(p: &ProgramSpec, id: u64, device: i32) -> Result<UniquePtr<Compiled>>;
         fn compiled_call(c: &Compiled, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
-        fn program_compile_here(p: &ProgramSpec, id: u64, device: i32) -> Result<UniquePtr<CompiledHere>>;
-        fn compiled_dispatch_here(c: &CompiledHere, inputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
         fn compiled_eval_async(
-            c: &CompiledHere,
+            c: &Compiled,
             inputs: &ArrayVec,
             done: Box<EvalDone>,
         ) -> Result<UniquePtr<ArrayVec>>;

@@ -13,8 +13,8 @@
 //!
 //! Dropping the last handle to a worker (its stream and every tensor made on it) closes
 //! its queue and puts its thread back in an idle pool, with its MLX stream, at once; the
-//! thread drains the queue and drops its arrays and compiled programs before it takes its
-//! next session. The next new stream on that device takes an idle thread instead of
+//! thread drains the queue and drops its arrays before it takes its next session. The
+//! next new stream on that device takes an idle thread instead of
 //! starting one, even one still ending its last session. MLX never reclaims a stream
 //! (nor, on the CPU, the OS thread that runs its kernels), so reusing threads is what
 //! keeps the set of threads that call MLX bounded by the most streams ever alive at
@@ -97,9 +97,6 @@ pub type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 pub struct State {
     pub stream: UniquePtr<ffi::Stream>,
     pub arrays: Arrays,
-    /// Programs compiled with `mx::compile` on this worker, by program id (never reused).
-    /// MLX's compile cache is thread-local: they are built, called and dropped here only.
-    pub compiled: IdMap<UniquePtr<ffi::Compiled>>,
     /// An op job's argument and result arrays, reused from op to op (emptied after each),
     /// so that building a node allocates no vectors.
     pub op_args: UniquePtr<ffi::ArrayVec>,
@@ -496,7 +493,6 @@ fn run(device: Device, first: Session, next: Receiver<Session>, ready: Sender<Re
     let mut state = State {
         stream,
         arrays: Arrays::default(),
-        compiled: IdMap::default(),
         op_args: ffi::array_vec_new(4),
         op_results: ffi::array_vec_new(4),
     };
@@ -513,8 +509,6 @@ fn run(device: Device, first: Session, next: Receiver<Session>, ready: Sender<Re
         }
         // The session is over: every handle is gone, so nothing can name these any more.
         state = enter_busy(state);
-        // Compiled programs go first: their cache entries live in this thread's cache.
-        state.compiled.clear();
         state.arrays.clear();
         // Waits for the stream's last kernels, and takes any error they left behind (an
         // async_eval nobody waited for) so that the next session starts clean.

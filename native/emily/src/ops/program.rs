@@ -8,9 +8,10 @@
 //! instruction appends its outputs. Each op decodes its args with the decoder generated
 //! from its table row (build/codegen.rs), so programs and NIFs cannot disagree.
 //!
-//! A compiled program is compiled separately on each worker that runs it, kept in that
-//! worker's state under the program's id (never reused), and erased there when the
-//! program is garbage: MLX's compile cache is thread-local.
+//! A compiled program has one compiled form per device (`Compiled`), shared by every
+//! thread that runs it: MLX's compile cache is thread-local, so each thread (a stream's
+//! worker, or the scheduler of a `program_eval`) holds its own entry, and the form erases
+//! all of them when the program is garbage.
 use crate::bridge::ffi;
 use crate::bridge::SendArray;
 use crate::error::{argument_error, Error};
@@ -108,13 +109,13 @@ struct Spec(cxx::UniquePtr<ffi::ProgramSpec>);
 unsafe impl Send for Spec {}
 unsafe impl Sync for Spec {}
 
-/// A compiled program for the threads that evaluate it themselves (`program_eval`).
-struct Here(cxx::UniquePtr<ffi::CompiledHere>);
+/// The program compiled with `mx::compile`, for every thread that runs it (cpp/program.h).
+struct Compiled(cxx::UniquePtr<ffi::Compiled>);
 // SAFETY: built once, then only called: each call goes through the calling thread's own
 // MLX compile cache (thread-local), and the list of caches it erases when dropped is
 // behind its mutex; MLX's erase is thread-safe.
-unsafe impl Send for Here {}
-unsafe impl Sync for Here {}
+unsafe impl Send for Compiled {}
+unsafe impl Sync for Compiled {}
 
 pub struct ProgramResource {
     id: u64,
@@ -123,13 +124,11 @@ pub struct ProgramResource {
     outputs: usize,
     compile: bool,
     spec: Spec,
-    /// Workers holding a compiled copy, to erase it there when the program is dropped.
-    compiled_on: Mutex<Vec<Weak<Worker>>>,
-    /// The compiled copy `program_eval` calls on the CPU (made at its first call).
-    here: Mutex<Option<Arc<Here>>>,
-    /// The input signatures that copy was compiled for on some thread: MLX then holds
-    /// their fused CPU kernels process-wide, and another thread's first call only traces
-    /// the program (see `program_eval_async`).
+    /// Its compiled form, by device (made at its first run there).
+    compiled: [Mutex<Option<Arc<Compiled>>>; 2],
+    /// The input signatures `program_eval` compiled it for on the CPU: MLX then holds
+    /// their fused kernels process-wide, and another thread's first call only traces the
+    /// program (see `program_eval_async`).
     compiled_for: Mutex<HashSet<u64>>,
     /// What `program_eval_async` knows of the program, by the signature of its inputs'
     /// shapes and dtypes (see `async_fit`).
@@ -139,22 +138,9 @@ pub struct ProgramResource {
 #[rustler::resource_impl]
 impl Resource for ProgramResource {}
 
-impl Drop for ProgramResource {
-    fn drop(&mut self) {
-        let id = self.id;
-        for w in self.compiled_on.get_mut().unwrap().drain(..) {
-            if let Some(w) = w.upgrade() {
-                w.submit(Box::new(move |st: &mut State| {
-                    st.compiled.remove(&id);
-                }));
-            }
-        }
-    }
-}
-
 /// Program ids live in their own range, far from the function addresses MLX uses as
-/// compile-cache keys for its own compiled functions (a program's compiled copy for
-/// `program_eval` adds 2^60 to its id).
+/// compile-cache keys for its own compiled functions (a program's compiled form adds
+/// 2^60 times one more than its device to its id).
 const PROGRAM_ID_BASE: u64 = 1 << 62;
 
 /// `program_new(n_inputs, instrs, outputs, compile)`: checks and decodes a program.
@@ -232,8 +218,7 @@ fn program_new<'a>(
         outputs: outs.len(),
         compile,
         spec: Spec(spec),
-        compiled_on: Mutex::new(Vec::new()),
-        here: Default::default(),
+        compiled: Default::default(),
         compiled_for: Default::default(),
         async_fits: Mutex::new(HashMap::new()),
     }))
@@ -273,16 +258,10 @@ fn program_run(
     for t in &inputs {
         ins.push(t, Some(&worker));
     }
-    if program.compile {
-        let mut on = program.compiled_on.lock().unwrap();
-        on.retain(|w| w.strong_count() > 0);
-        if !on.iter().any(|w| w.as_ptr() == Arc::as_ptr(&worker)) {
-            on.push(Arc::downgrade(&worker));
-        }
-    }
     let (outs, ids) = TensorResource::outputs(&worker, program.outputs);
+    let device = worker.device;
     ins.request(OP);
-    worker.submit_lazy(Box::new(move |st: &mut State| match run(st, &program, &mut ins) {
+    worker.submit_lazy(Box::new(move |st: &mut State| match run(st, &program, device, &mut ins) {
         Ok(mut out) => put_outputs(&mut st.arrays, ids, Ok(out.pin_mut())),
         Err(e) => put_outputs(&mut st.arrays, ids, Err(e)),
     }));
@@ -326,7 +305,11 @@ fn program_eval<'a>(
         let device = worker.device as i32;
         let start = Instant::now();
         let mut out = if program.compile {
-            program.compiled_here().and_then(|here| ffi::compiled_dispatch_here(&here.0, &v))
+            program.compiled(worker.device).and_then(|c| {
+                let out = ffi::compiled_call(&c.0, &v)?;
+                ffi::async_eval_arrays(&out)?;
+                Ok(out)
+            })
         } else {
             ffi::program_dispatch_here(&program.spec.0, &v, device)
         }
@@ -380,16 +363,15 @@ struct Fit {
 }
 
 impl ProgramResource {
-    fn compiled_here(&self) -> Result<Arc<Here>, cxx::Exception> {
-        let mut here = self.here.lock().unwrap();
-        if let Some(h) = &*here {
-            return Ok(h.clone());
+    fn compiled(&self, device: Device) -> Result<Arc<Compiled>, cxx::Exception> {
+        let mut compiled = self.compiled[device as usize].lock().unwrap();
+        if let Some(c) = &*compiled {
+            return Ok(c.clone());
         }
-        // A compile-cache key of its own, apart from the workers' copies'.
-        let id = self.id + (1 << 60);
-        let h = Arc::new(Here(ffi::program_compile_here(&self.spec.0, id, Device::Cpu as i32)?));
-        *here = Some(h.clone());
-        Ok(h)
+        let id = self.id + ((device as u64 + 1) << 60);
+        let c = Arc::new(Compiled(ffi::program_compile(&self.spec.0, id, device as i32)?));
+        *compiled = Some(c.clone());
+        Ok(c)
     }
 
     fn handed_over(&self, signature: u64, took: Duration, taken: bool) {
@@ -490,7 +472,7 @@ fn program_eval_async<'a>(
     let here = match program.compile {
         false => None,
         true if program.compiled_for.lock().unwrap().contains(&signature) => {
-            Some(program.compiled_here().map_err(|e| crate::error::raise(&mlx_error(OP, e, &[])))?)
+            Some(program.compiled(Device::Cpu).map_err(|e| crate::error::raise(&mlx_error(OP, e, &[])))?)
         }
         true => return Ok(crate::atoms::dirty().encode(env)),
     };
@@ -688,19 +670,17 @@ fn evaluated_tensors(worker: &Arc<Worker>, mut out: cxx::UniquePtr<ffi::ArrayVec
 fn run(
     st: &mut State,
     p: &ProgramResource,
+    device: Device,
     ins: &mut Inputs,
 ) -> Result<cxx::UniquePtr<ffi::ArrayVec>, Error> {
     const OP: &str = "program_run";
-    if p.compile && !st.compiled.contains_key(&p.id) {
-        let c = ffi::program_compile(&p.spec.0, p.id, &st.stream).map_err(|e| mlx_error(OP, e, &[]))?;
-        st.compiled.insert(p.id, c);
-    }
     let st = &*st;
     let refs = ins.resolve(&st.arrays, OP)?;
     let v = crate::bridge::array_vec(refs.iter().copied());
-    let out = match st.compiled.get(&p.id) {
-        Some(c) => ffi::compiled_call(c, &v),
-        None => ffi::program_call(&p.spec.0, &v, &st.stream),
+    let out = if p.compile {
+        p.compiled(device).and_then(|c| ffi::compiled_call(&c.0, &v))
+    } else {
+        ffi::program_call(&p.spec.0, &v, &st.stream)
     }
     .map_err(|e| mlx_error(OP, e, &refs))?;
     check_outputs(OP, &out, p.outputs)?;
