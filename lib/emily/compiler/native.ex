@@ -347,7 +347,7 @@ if Code.ensure_loaded?(Nx) do
     # A graph of vectorized tensors computes on their devectorized shapes (Nx's front
     # end made its ops so): a node, and the tensors among its arguments, as such.
     defp devectorized(%T{vectorized_axes: [], data: %Expr{args: args}} = t) do
-      if Enum.any?(args_tensors(args), &(&1.vectorized_axes != [])),
+      if vectorized?(args),
         do: {Enum.map(args, &devectorize_arg/1), t},
         else: {args, t}
     end
@@ -364,6 +364,10 @@ if Code.ensure_loaded?(Nx) do
       do: tuple |> Tuple.to_list() |> Enum.map(&devectorize_arg/1) |> List.to_tuple()
 
     defp devectorize_arg(other), do: other
+
+    @doc false
+    # Whether a node's arguments hold a vectorized tensor.
+    def vectorized?(args), do: Enum.any?(args_tensors(args), &(&1.vectorized_axes != []))
 
     defp check_type(type, device) do
       cond do

@@ -18,7 +18,7 @@ if Code.ensure_loaded?(Nx) do
     alias Nx.Defn.{Composite, Expr}
     alias Nx.Tensor, as: T
 
-    import Emily.Compiler.Native, only: [lowering: 3, flat: 1]
+    import Emily.Compiler.Native, only: [lowering: 3, flat: 1, vectorized?: 1]
 
     @doc false
     # Runs `plan` on `inputs` (the parameters' arrays) on `stream`: its outputs.
@@ -184,11 +184,6 @@ if Code.ensure_loaded?(Nx) do
       out = Emily.Stream.with_stream(stream, fn -> Nx.with_default_backend(backend, fun) end)
       Enum.map(Composite.flatten_list([out]), &ref(&1, stream))
     end
-
-    defp vectorized?(%T{vectorized_axes: axes}), do: axes != []
-    defp vectorized?(list) when is_list(list), do: Enum.any?(list, &vectorized?/1)
-    defp vectorized?(tuple) when is_tuple(tuple), do: vectorized?(Tuple.to_list(tuple))
-    defp vectorized?(_other), do: false
 
     # A pass of a loop that runs on the host (see host/2).
     defp step(arg, condition, body, opts) do
