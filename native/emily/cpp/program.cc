@@ -161,7 +161,6 @@ int32_t mlx_tasks_in_flight() { return mx::scheduler::n_active_tasks(); }
 
 bool mlx_memory_over_limit() { return mx::get_active_memory() > mx::get_memory_limit(); }
 
-
 // On the CPU, MLX builds fused kernels by running the system C++ compiler (system() and
 // popen()/pclose()). The BEAM sets SIGCHLD to SIG_IGN, which makes the kernel reap those
 // children itself: the waits inside system() and pclose() then fail, and MLX concludes
