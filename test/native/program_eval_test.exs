@@ -149,6 +149,44 @@ defmodule Emily.ProgramEvalTest do
     |> Enum.each(&assert(&1 == {:ok, true}))
   end
 
+  test "a compiled CPU program is counted by its fused graph, not its instructions" do
+    # 64 elementwise instructions: more than the caller's scheduler takes uncounted (40
+    # nodes), but one fused kernel once compiled.
+    x = t([0.1, 0.2, 0.3])
+    Emily.eval(x)
+    chain = for k <- 0..63, do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]}
+    p = Program.new(chain, inputs: 1, compile: true)
+
+    expected =
+      Enum.map([0.1, 0.2, 0.3], fn v ->
+        Enum.reduce(0..63, v, fn k, acc ->
+          if rem(k, 2) == 0, do: :math.sin(acc), else: :math.cos(acc)
+        end)
+      end)
+
+    if Emily.Stream.device(s()) == :cpu do
+      # The first run, on the dirty scheduler, compiles it and counts its fused graph.
+      assert N.program_eval_async(s(), p, [x], make_ref()) == :dirty
+      assert [out] = N.program_eval(s(), p, [x])
+      assert_close(l(out), expected)
+
+      ref = make_ref()
+
+      out =
+        case when_idle(fn -> N.program_eval_async(s(), p, [x], ref) end) do
+          [out] ->
+            out
+
+          pending when not is_atom(pending) ->
+            assert(:ok = Emily.await(ref)) && hd(N.program_eval_take(pending))
+        end
+
+      assert_close(l(out), expected)
+    end
+
+    assert_close(l(hd(Program.eval(p, [x]))), expected)
+  end
+
   test "MLX errors raise at the call, naming the instruction, shapes and dtypes" do
     x = t([1.0, 2.0])
     Emily.eval(x)

@@ -126,8 +126,8 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
   return out;
 }
 
-size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
-  auto out = replay_for_export(p, inputs.items, mx::default_stream(mx::Device::cpu));
+// The nodes MLX has yet to schedule in the graphs of `out`.
+static size_t count_unscheduled(const std::vector<array>& out) {
   std::unordered_set<std::uintptr_t> seen;
   std::vector<const array*> stack;
   for (auto& a : out) stack.push_back(&a);
@@ -139,6 +139,12 @@ size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
   }
   return seen.size();
 }
+
+size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
+  return count_unscheduled(replay_for_export(p, inputs.items, mx::default_stream(mx::Device::cpu)));
+}
+
+size_t unscheduled_nodes(const ArrayVec& outputs) { return count_unscheduled(outputs.items); }
 
 uint64_t inputs_signature(const ArrayVec& inputs) {
   uint64_t h = 1469598103934665603ull;

@@ -71,6 +71,9 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
 // hash of the inputs' shapes and dtypes, which decide that number.
 size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs);
 uint64_t inputs_signature(const ArrayVec& inputs);
+// The nodes of `outputs`' graphs that MLX has not scheduled yet (a compiled program's
+// count, its fused kernels being one node each).
+size_t unscheduled_nodes(const ArrayVec& outputs);
 // Queues `hold_run(task)` (src/hold.rs) on the calling thread's default CPU stream.
 struct HoldTask;
 void hold_cpu_stream(rust::Box<HoldTask> task);

@@ -304,9 +304,12 @@ fn program_eval<'a>(
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         let device = worker.device as i32;
         let start = Instant::now();
+        // A compiled graph's nodes, counted before MLX schedules them.
+        let mut nodes = None;
         let mut out = if program.compile {
             program.compiled(worker.device).and_then(|c| {
                 let out = ffi::compiled_call(&c.0, &v)?;
+                nodes = Some(ffi::unscheduled_nodes(&out) + program.outputs);
                 ffi::async_eval_arrays(&out)?;
                 Ok(out)
             })
@@ -314,10 +317,12 @@ fn program_eval<'a>(
             ffi::program_dispatch_here(&program.spec.0, &v, device)
         }
         .map_err(|e| mlx_error(OP, e, &refs))?;
-        if program.compile {
-            program.compiled_for.lock().unwrap().insert(ffi::inputs_signature(&v));
-        } else if worker.device == Device::Cpu {
-            program.handed_over(ffi::inputs_signature(&v), start.elapsed(), false);
+        if worker.device == Device::Cpu {
+            let signature = ffi::inputs_signature(&v);
+            program.handed_over(signature, start.elapsed(), false, nodes);
+            if program.compile {
+                program.compiled_for.lock().unwrap().insert(signature);
+            }
         }
         ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
         check_outputs(OP, &out, program.outputs)?;
@@ -374,17 +379,24 @@ impl ProgramResource {
         Ok(c)
     }
 
-    fn handed_over(&self, signature: u64, took: Duration, taken: bool) {
+    /// Notes a run's hand-over, and, for a compiled program, the nodes its compiled form
+    /// builds (its fused kernels one node each, and an output's `contiguous`): counting
+    /// the program's own instructions would overstate them.
+    fn handed_over(&self, signature: u64, took: Duration, taken: bool, nodes: Option<usize>) {
         let mut fits = self.async_fits.lock().unwrap();
         let fit = fits.entry(signature).or_default();
         fit.handover = Some(took);
         fit.taken = taken;
+        if let Some(n) = nodes {
+            fit.small = Some(n <= ASYNC_MAX_NODES);
+        }
     }
 }
 
 /// Whether `program_eval_async` takes `program` on inputs like `v` (signature
 /// `signature`): when it builds at most `ASYNC_MAX_NODES` nodes (counted once per
-/// signature, by building the graph and dropping it), or when its last hand-over took
+/// signature, by building the graph and dropping it; a compiled program's, by the dirty
+/// run that compiled it, which comes first), or when its last hand-over took
 /// at most `HANDOVER_BUDGET` (`ASYNC_WAIT` if it was this NIF's). A program far longer
 /// than the node bound is not built to be counted (the count runs on a normal scheduler
 /// too): an instruction that adds no node is rare. Returns what is known of it and
@@ -501,7 +513,7 @@ fn program_eval_async<'a>(
         crate::error::raise(&mlx_error(OP, e, &refs))
     })?;
     if !small {
-        program.handed_over(signature, start.elapsed(), true);
+        program.handed_over(signature, start.elapsed(), true, None);
     }
     check_outputs(OP, &out, program.outputs).map_err(|e| crate::error::raise(&e))?;
     *pending.outputs.lock().unwrap() = Some(out);
