@@ -238,7 +238,8 @@ defmodule Bench.Defn do
   # Emily's paths: best mean per run, the result read back to the host.
   # Plus the native path again with the workers polling (Emily.Stream.set_spin/1).
   def emily_pass(g) do
-    run = fn f -> Bench.best(fn -> f |> apply(g.emily_args) |> Nx.to_binary() end, g.reps) end
+    args = g.emily_args
+    run = fn f -> Bench.best(fn -> f |> apply(args) |> Nx.to_binary() end, g.reps) end
     times = for {label, f} <- g.paths, into: %{}, do: {label, run.(f)}
     native = Enum.find_value(g.paths, fn {label, f} -> label == "native" && f end)
     previous = Emily.Stream.set_spin(@spin)
@@ -252,9 +253,16 @@ defmodule Bench.Defn do
   def binary_time(g) do
     f = Nx.Defn.jit(g.fun, compiler: Nx.Defn.Evaluator)
 
-    Nx.with_default_backend(Nx.BinaryBackend, fn ->
-      Bench.best(fn -> f |> apply(g.args) |> Nx.to_binary() end, 1, 3)
-    end)
+    args = g.args
+
+    # (In the timing process: the default backend is the process's own.)
+    Bench.best(
+      fn ->
+        Nx.with_default_backend(Nx.BinaryBackend, fn -> f |> apply(args) |> Nx.to_binary() end)
+      end,
+      1,
+      3
+    )
   end
 
   def python(graphs, dir) do
@@ -505,7 +513,8 @@ if pairs > 0 do
           {"native, mx::compile", "compiled"}
         ] do
       f = Enum.find_value(g.paths, fn {l, f} -> l == label && f end)
-      run = fn -> f |> apply(g.emily_args) |> Nx.to_binary() end
+      args = g.emily_args
+      run = fn -> f |> apply(args) |> Nx.to_binary() end
       {[g.name, label, py], run, "#{g.slug}_#{py}", 4 * g.reps}
     end
 

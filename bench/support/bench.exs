@@ -2,16 +2,31 @@
 defmodule Bench do
   @moduledoc false
 
-  @doc "Best mean time per call of `fun`, in microseconds, over `rounds` rounds of `reps` calls (after a warm-up)."
+  @doc """
+  Best mean time per call of `fun`, in microseconds, over `rounds` rounds of `reps`
+  calls (after a warm-up), in a process of its own (`isolated/1`).
+  """
   def best(fun, reps, rounds \\ 5) do
-    fun.()
+    isolated(fn ->
+      fun.()
 
-    for _ <- 1..rounds do
-      {us, _} = :timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end)
-      us / reps
-    end
-    |> Enum.min()
+      for _ <- 1..rounds do
+        {us, _} = :timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end)
+        us / reps
+      end
+      |> Enum.min()
+    end)
   end
+
+  @doc """
+  Runs `fun` in a fresh process and returns its result. A call allocates on its
+  process's heap, and a process holding much (the bench's own, with every graph's dump
+  and results) has a young heap of tens of MB: each call's garbage then lands on cold
+  memory, which made the same `Nx.Defn.jit` call on bench/defn.exs's MLP 20% slower
+  (bench/README.md). Timed calls run in a process that holds only what they use; `fun`
+  should capture no more than that.
+  """
+  def isolated(fun), do: fun |> Task.async() |> Task.await(:infinity)
 
   @doc """
   Runs a Python reference script with the `mlx` package that sits on Emily's own libmlx
@@ -43,7 +58,8 @@ defmodule Bench do
   of percent over seconds; two windows of one pair, a fraction of a second apart, see
   the same load, so the ratio within each pair is what is compared.
 
-  Each window first runs its calls untimed for `warm` ms: a process's OpenBLAS threads
+  Each Emily window runs in a process of its own (`isolated/1`), and first runs its calls
+  untimed for `warm` ms: a process's OpenBLAS threads
   spin for about 0.1 s after its last call before they sleep, and on a small machine the
   spinning of the side that just finished would slow the other side's window. (Leaving
   the machine idle between windows instead puts the next window in a slower state of
@@ -55,9 +71,11 @@ defmodule Bench do
   """
   def paired(fun, server, name, reps, pairs, warm \\ 150) do
     window = fn ->
-      until = System.monotonic_time(:millisecond) + warm
-      warm_up(fun, until)
-      elem(:timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end), 0) / reps
+      isolated(fn ->
+        until = System.monotonic_time(:millisecond) + warm
+        warm_up(fun, until)
+        elem(:timer.tc(fn -> Enum.each(1..reps, fn _ -> fun.() end) end), 0) / reps
+      end)
     end
 
     times =
