@@ -89,6 +89,12 @@ defmodule Emily.Program do
   kernels are then built, and that thread only traces the program. Its nodes are those
   of its compiled form (a fused kernel is one), counted on the dirty path, where its
   hand-over is timed too (the first such run includes the compiling).
+
+  `mx::compile`'s tracing recurses along the graph, some 200 bytes of stack per level
+  of its depth: a compiled program whose graph is too deep for the calling thread's
+  stack (a dirty scheduler's holds a few hundred levels) runs on its stream's worker,
+  whose stack is larger, and one too deep for that too (some 32,000 levels) runs there
+  uncompiled.
   """
 
   @type t :: reference()

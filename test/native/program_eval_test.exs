@@ -187,6 +187,31 @@ defmodule Emily.ProgramEvalTest do
     assert_close(l(hd(Program.eval(p, [x]))), expected)
   end
 
+  # mx::compile's tracing recurses along the graph: a compiled chain of 2,000 ops
+  # overflowed a dirty scheduler's stack, one of 20,000 a worker's, killing the VM.
+  test "a compiled program deeper than a thread's stack can trace runs where it fits" do
+    x = t([0.1, 0.2, 0.3])
+    Emily.eval(x)
+
+    for n <- [3_000, 40_000] do
+      chain = for k <- 0..(n - 1), do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]}
+      p = Program.new(chain, inputs: 1, compile: true)
+
+      expected =
+        Enum.map([0.1, 0.2, 0.3], fn v ->
+          Enum.reduce(0..(n - 1), v, fn k, acc ->
+            if rem(k, 2) == 0, do: :math.sin(acc), else: :math.cos(acc)
+          end)
+        end)
+
+      # Too deep for a dirty scheduler: the stream's worker runs it (compiled at 3,000
+      # ops; at 40,000, beyond the worker's stack too, uncompiled).
+      assert N.program_eval(s(), p, [x]) == :worker
+      assert_close(l(hd(Program.eval(p, [x]))), expected)
+      assert_close(l(hd(Program.run(p, [x]))), expected)
+    end
+  end
+
   test "MLX errors raise at the call, naming the instruction, shapes and dtypes" do
     x = t([1.0, 2.0])
     Emily.eval(x)

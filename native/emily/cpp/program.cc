@@ -1,12 +1,16 @@
 // Graphs: async eval and program replay. See program.h.
 #include "program.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <csignal>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
+#include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "emily/src/bridge.rs.h"
 #include "mlx/compile_impl.h"
@@ -145,6 +149,58 @@ size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
 }
 
 size_t unscheduled_nodes(const ArrayVec& outputs) { return count_unscheduled(outputs.items); }
+
+// The longest path of unscheduled nodes in the graphs of `out`, walked without recursion.
+static size_t longest_unscheduled_path(const std::vector<array>& out) {
+  auto pending = [](const array& a) { return a.status() == array::Status::unscheduled; };
+  std::unordered_map<std::uintptr_t, size_t> depth;
+  std::vector<std::pair<const array*, bool>> stack;
+  size_t deepest = 0;
+  for (auto& a : out)
+    if (pending(a)) stack.push_back({&a, false});
+  while (!stack.empty()) {
+    auto [a, inputs_done] = stack.back();
+    stack.pop_back();
+    if (depth.count(a->id())) continue;
+    if (!inputs_done) {
+      stack.push_back({a, true});
+      for (auto& in : a->inputs())
+        if (pending(in) && !depth.count(in.id())) stack.push_back({&in, false});
+      continue;
+    }
+    size_t d = 0;
+    for (auto& in : a->inputs()) {
+      auto found = depth.find(in.id());
+      if (found != depth.end()) d = std::max(d, found->second);
+    }
+    depth[a->id()] = d + 1;
+    deepest = std::max(deepest, d + 1);
+  }
+  return deepest;
+}
+
+size_t program_graph_depth(const ProgramSpec& p, const ArrayVec& inputs, int32_t device) {
+  return longest_unscheduled_path(replay(p, inputs.items, here(device)));
+}
+
+size_t stack_left() {
+  char here_on_stack;
+  char* low = nullptr;
+#ifdef __APPLE__
+  pthread_t self = pthread_self();
+  low = static_cast<char*>(pthread_get_stackaddr_np(self)) - pthread_get_stacksize_np(self);
+#else
+  pthread_attr_t attr;
+  if (pthread_getattr_np(pthread_self(), &attr) != 0) return 0;
+  void* addr = nullptr;
+  size_t size = 0;
+  int rc = pthread_attr_getstack(&attr, &addr, &size);
+  pthread_attr_destroy(&attr);
+  if (rc != 0) return 0;
+  low = static_cast<char*>(addr);
+#endif
+  return &here_on_stack > low ? static_cast<size_t>(&here_on_stack - low) : 0;
+}
 
 uint64_t inputs_signature(const ArrayVec& inputs) {
   uint64_t h = 1469598103934665603ull;

@@ -74,6 +74,12 @@ uint64_t inputs_signature(const ArrayVec& inputs);
 // The nodes of `outputs`' graphs that MLX has not scheduled yet (a compiled program's
 // count, its fused kernels being one node each).
 size_t unscheduled_nodes(const ArrayVec& outputs);
+// The depth of the graph the program builds on inputs like these (the longest path of
+// nodes, on the calling thread's default stream of `device`; built and dropped): how
+// deep mx::compile's tracing, which recurses along the graph, goes.
+size_t program_graph_depth(const ProgramSpec& p, const ArrayVec& inputs, int32_t device);
+// The bytes of stack left to the calling thread below the caller (0 if unknown).
+size_t stack_left();
 // Queues `hold_run(task)` (src/hold.rs) on the calling thread's default CPU stream.
 struct HoldTask;
 void hold_cpu_stream(rust::Box<HoldTask> task);

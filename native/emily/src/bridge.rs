@@ -98,6 +98,8 @@ pub mod ffi {
         fn program_graph_size(p: &ProgramSpec, inputs: &ArrayVec) -> Result<usize>;
         fn inputs_signature(inputs: &ArrayVec) -> u64;
         fn unscheduled_nodes(outputs: &ArrayVec) -> usize;
+        fn program_graph_depth(p: &ProgramSpec, inputs: &ArrayVec, device: i32) -> Result<usize>;
+        fn stack_left() -> usize;
         fn hold_cpu_stream(task: Box<HoldTask>) -> Result<()>;
         fn mlx_tasks_in_flight() -> i32;
         fn mlx_memory_over_limit() -> bool;

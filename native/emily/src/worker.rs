@@ -291,6 +291,12 @@ fn run_job(job: Job, state: &mut State) {
     BUSY.fetch_sub(1, Ordering::SeqCst);
 }
 
+/// A worker thread's stack. mx::compile's tracing recurses along a graph (some 200 bytes
+/// a level: src/ops/program.rs, `compiles_here`), so this bounds the depth of the graphs
+/// a worker compiles, some 32,000 levels; a deeper one runs uncompiled. Reserved, not
+/// committed: only the pages a thread touches take memory.
+const WORKER_STACK: usize = 16 << 20;
+
 /// Threads started so far, by device (they never stop while the VM runs).
 static THREADS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
 
@@ -347,6 +353,7 @@ impl Worker {
             format!("emily-{}-t{}", device_name(device), NEXT_THREAD.fetch_add(1, Ordering::Relaxed));
         let handle = std::thread::Builder::new()
             .name(thread_name)
+            .stack_size(WORKER_STACK)
             .spawn(move || run(device, session, next, ready_tx))
             .map_err(|e| format!("cannot start worker thread: {e}"))?;
         match ready_rx.recv() {

@@ -133,6 +133,9 @@ pub struct ProgramResource {
     /// What `program_eval_async` knows of the program, by the signature of its inputs'
     /// shapes and dtypes (see `async_fit`).
     async_fits: Mutex<HashMap<u64, Fit>>,
+    /// The depth of its graph, by the signature of its inputs (for a compiled program:
+    /// see `compiles_here`).
+    depths: Mutex<HashMap<u64, usize>>,
 }
 
 #[rustler::resource_impl]
@@ -221,6 +224,7 @@ fn program_new<'a>(
         compiled: Default::default(),
         compiled_for: Default::default(),
         async_fits: Mutex::new(HashMap::new()),
+        depths: Mutex::new(HashMap::new()),
     }))
 }
 
@@ -300,6 +304,17 @@ fn program_eval<'a>(
         return Ok(crate::atoms::pending().encode(env));
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
+    // A compiled graph too deep for this thread's stack to trace goes to the worker,
+    // whose stack is larger (`run`).
+    if program.compile {
+        let fits = program.compiles_here(&v, ffi::inputs_signature(&v), worker.device).map_err(|e| {
+            let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
+            crate::error::raise(&mlx_error(OP, e, &refs))
+        })?;
+        if !fits {
+            return Ok(crate::atoms::worker().encode(env));
+        }
+    }
     let res = crate::worker::run_busy(|| {
         let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
         let device = worker.device as i32;
@@ -367,7 +382,34 @@ struct Fit {
     slow: bool,
 }
 
+/// Bytes of stack that mx::compile's tracing takes per level of a graph's depth, with
+/// room to spare: it recurses along the graph, some 200 bytes a level on MLX 0.32.4 (a
+/// chain of 2,000 ops overflowed a dirty scheduler's 320 KiB stack and killed the VM; one
+/// of 20,000, a 2 MiB thread's).
+const COMPILE_STACK_PER_LEVEL: usize = 512;
+
 impl ProgramResource {
+    /// Whether the calling thread's stack holds mx::compile's tracing of the program on
+    /// inputs like `v` (whose signature is `signature`): its graph's depth, measured once
+    /// per signature, times `COMPILE_STACK_PER_LEVEL`, against the stack left here.
+    fn compiles_here(
+        &self,
+        v: &ffi::ArrayVec,
+        signature: u64,
+        device: Device,
+    ) -> Result<bool, cxx::Exception> {
+        let known = self.depths.lock().unwrap().get(&signature).copied();
+        let depth = match known {
+            Some(depth) => depth,
+            None => {
+                let depth = ffi::program_graph_depth(&self.spec.0, v, device as i32)?;
+                self.depths.lock().unwrap().insert(signature, depth);
+                depth
+            }
+        };
+        Ok(depth.saturating_mul(COMPILE_STACK_PER_LEVEL) <= ffi::stack_left())
+    }
+
     fn compiled(&self, device: Device) -> Result<Arc<Compiled>, cxx::Exception> {
         let mut compiled = self.compiled[device as usize].lock().unwrap();
         if let Some(c) = &*compiled {
@@ -483,7 +525,9 @@ fn program_eval_async<'a>(
     // CPU, MLX's kernel library is process-wide; its compile cache, per thread).
     let here = match program.compile {
         false => None,
-        true if program.compiled_for.lock().unwrap().contains(&signature) => {
+        true if program.compiled_for.lock().unwrap().contains(&signature)
+            && program.compiles_here(&v, signature, Device::Cpu).unwrap_or(false) =>
+        {
             Some(program.compiled(Device::Cpu).map_err(|e| crate::error::raise(&mlx_error(OP, e, &[])))?)
         }
         true => return Ok(crate::atoms::dirty().encode(env)),
@@ -689,7 +733,10 @@ fn run(
     let st = &*st;
     let refs = ins.resolve(&st.arrays, OP)?;
     let v = crate::bridge::array_vec(refs.iter().copied());
-    let out = if p.compile {
+    // A compiled graph too deep even for the worker's stack to trace runs uncompiled.
+    let compiled = p.compile
+        && p.compiles_here(&v, ffi::inputs_signature(&v), device).map_err(|e| mlx_error(OP, e, &refs))?;
+    let out = if compiled {
         p.compiled(device).and_then(|c| ffi::compiled_call(&c.0, &v))
     } else {
         ffi::program_call(&p.spec.0, &v, &st.stream)
