@@ -461,8 +461,11 @@ fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Op
     (small || fit.handover.is_some_and(|t| t <= budget)).then_some((fit, small))
 }
 
-/// Whether MLX has no evaluation in flight (on any stream) and memory within its limit:
-/// then an asynchronous evaluation of a small graph never waits inside MLX for others.
+/// Whether MLX counts no task group in flight (on any stream) and memory within its
+/// limit, its own conditions for waiting while it queues a graph: then handing over a
+/// small graph never waits inside MLX for others. MLX counts a group at every tenth
+/// dispatch of a stream, so work may still be queued on this thread's stream (another
+/// caller's that stopped waiting, one long matmul): it delays only the evaluation.
 fn mlx_idle() -> bool {
     ffi::mlx_tasks_in_flight() == 0 && !ffi::mlx_memory_over_limit()
 }
