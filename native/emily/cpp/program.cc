@@ -183,23 +183,27 @@ size_t program_graph_depth(const ProgramSpec& p, const ArrayVec& inputs, int32_t
   return longest_unscheduled_path(replay(p, inputs.items, here(device)));
 }
 
-size_t stack_left() {
-  char here_on_stack;
-  char* low = nullptr;
+// The lowest address of the calling thread's stack (nullptr if unknown).
+static char* stack_low() {
 #ifdef __APPLE__
   pthread_t self = pthread_self();
-  low = static_cast<char*>(pthread_get_stackaddr_np(self)) - pthread_get_stacksize_np(self);
+  return static_cast<char*>(pthread_get_stackaddr_np(self)) - pthread_get_stacksize_np(self);
 #else
   pthread_attr_t attr;
-  if (pthread_getattr_np(pthread_self(), &attr) != 0) return 0;
+  if (pthread_getattr_np(pthread_self(), &attr) != 0) return nullptr;
   void* addr = nullptr;
   size_t size = 0;
   int rc = pthread_attr_getstack(&attr, &addr, &size);
   pthread_attr_destroy(&attr);
-  if (rc != 0) return 0;
-  low = static_cast<char*>(addr);
+  return rc == 0 ? static_cast<char*>(addr) : nullptr;
 #endif
-  return &here_on_stack > low ? static_cast<size_t>(&here_on_stack - low) : 0;
+}
+
+size_t stack_left() {
+  // Asked once per thread: glibc's pthread_getattr_np makes a system call.
+  thread_local char* const low = stack_low();
+  char here_on_stack;
+  return low && &here_on_stack > low ? static_cast<size_t>(&here_on_stack - low) : 0;
 }
 
 uint64_t inputs_signature(const ArrayVec& inputs) {
