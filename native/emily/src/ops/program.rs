@@ -304,13 +304,15 @@ fn program_eval<'a>(
         return Ok(crate::atoms::pending().encode(env));
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
+    let signature = ffi::inputs_signature(&v);
     // A compiled graph too deep for this thread's stack to trace goes to the worker,
     // whose stack is larger (`run`).
     if program.compile {
-        let fits = program.compiles_here(&v, ffi::inputs_signature(&v), worker.device).map_err(|e| {
-            let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
-            crate::error::raise(&mlx_error(OP, e, &refs))
-        })?;
+        let fits =
+            crate::worker::run_busy(|| program.compiles_here(&v, signature, worker.device)).map_err(|e| {
+                let refs: Vec<&ffi::Array> = evaluated.iter().map(|a| &*a.0).collect();
+                crate::error::raise(&mlx_error(OP, e, &refs))
+            })?;
         if !fits {
             return Ok(crate::atoms::worker().encode(env));
         }
@@ -333,7 +335,6 @@ fn program_eval<'a>(
         }
         .map_err(|e| mlx_error(OP, e, &refs))?;
         if worker.device == Device::Cpu {
-            let signature = ffi::inputs_signature(&v);
             program.handed_over(signature, start.elapsed(), false, nodes);
             if program.compile {
                 program.compiled_for.lock().unwrap().insert(signature);
