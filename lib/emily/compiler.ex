@@ -106,7 +106,9 @@ if Code.ensure_loaded?(Nx) do
       * `:hooks` - named `io_call` callbacks, as `Nx.Defn.Evaluator` takes them (this is
         how `Nx.Serving` streams and how `print_value` hooks are overridden).
       * `:native` - `false` for the evaluator path (default `true`: see above).
-      * `:compile` - on the native path, compile the program with `mx::compile`.
+      * `:compile` - on the native path, compile the program with `mx::compile` (a
+        graph deeper than a thread's stack can trace runs on the stream's worker, or
+        there uncompiled: see `Emily.Program`).
       * `:cache` - keep the traced graph (and, on the native path, the lowered
         program; default `true`): the graph is traced on the first call of a
         `Nx.Defn.jit` function for given input shapes, types and options, and later
