@@ -182,6 +182,12 @@ defmodule Emily.ProgramEvalTest do
         end
 
       assert_close(l(out), expected)
+
+      # Over 160 instructions, never: a thread's first call would trace it there.
+      long = for k <- 0..199, do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]}
+      q = Program.new(long, inputs: 1, compile: true)
+      assert [_] = N.program_eval(s(), q, [x])
+      for _ <- 1..10, do: assert(N.program_eval_async(s(), q, [x], make_ref()) == :dirty)
     end
 
     assert_close(l(hd(Program.eval(p, [x]))), expected)
