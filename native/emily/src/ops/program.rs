@@ -21,7 +21,7 @@ use crate::tensor::{mlx_error, Reply, TensorArg, TensorResource};
 use crate::term::{short, List};
 use crate::worker::{next_id, Busy, Device, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -126,16 +126,9 @@ pub struct ProgramResource {
     spec: Spec,
     /// Its compiled form, by device (made at its first run there).
     compiled: [Mutex<Option<Arc<Compiled>>>; 2],
-    /// The input signatures `program_eval` compiled it for on the CPU: MLX then holds
-    /// their fused kernels process-wide, and another thread's first call only traces the
-    /// program (see `program_eval_async`).
-    compiled_for: Mutex<HashSet<u64>>,
-    /// What `program_eval_async` knows of the program, by the signature of its inputs'
-    /// shapes and dtypes (see `async_fit`).
-    async_fits: Mutex<HashMap<u64, Fit>>,
-    /// The depth of its graph, by the signature of its inputs (for a compiled program:
-    /// see `compiles_here`).
-    depths: Mutex<HashMap<u64, usize>>,
+    /// What its runs have learned of it, by the signature of its inputs' shapes and
+    /// dtypes (see `Fit`).
+    fits: Mutex<HashMap<u64, Fit>>,
 }
 
 #[rustler::resource_impl]
@@ -222,9 +215,7 @@ fn program_new<'a>(
         compile,
         spec: Spec(spec),
         compiled: Default::default(),
-        compiled_for: Default::default(),
-        async_fits: Mutex::new(HashMap::new()),
-        depths: Mutex::new(HashMap::new()),
+        fits: Mutex::new(HashMap::new()),
     }))
 }
 
@@ -336,9 +327,6 @@ fn program_eval<'a>(
         .map_err(|e| mlx_error(OP, e, &refs))?;
         if worker.device == Device::Cpu {
             program.handed_over(signature, start.elapsed(), false, nodes);
-            if program.compile {
-                program.compiled_for.lock().unwrap().insert(signature);
-            }
         }
         ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
         check_outputs(OP, &out, program.outputs)?;
@@ -372,8 +360,9 @@ const ASYNC_MAX_INSTRS: usize = 4 * ASYNC_MAX_NODES;
 /// near the budget does not switch paths from run to run.
 const HANDOVER_BUDGET: Duration = Duration::from_micros(500);
 
-/// What `program_eval_async` knows of a program for one signature of its inputs'
-/// shapes and dtypes.
+/// What the runs of a program have learned of it for one signature of its inputs'
+/// shapes and dtypes: for `program_eval_async` (`async_fit`), and for a compiled
+/// program, whether a thread's stack holds its tracing (`compiles_here`).
 #[derive(Clone, Copy, Default)]
 struct Fit {
     /// Whether it builds at most `ASYNC_MAX_NODES` nodes (counted once: `None` before).
@@ -386,6 +375,12 @@ struct Fit {
     /// evaluations end too long after the hand-over for a poll to catch them (see the
     /// NIF).
     slow: bool,
+    /// Whether `program_eval` compiled it for these shapes on the CPU: MLX then holds
+    /// their fused kernels process-wide, and another thread's first call only traces the
+    /// program (see `program_eval_async`).
+    compiled: bool,
+    /// The depth of its graph (measured once, for a compiled program).
+    depth: Option<usize>,
 }
 
 /// Bytes of stack that mx::compile's tracing takes per level of a graph's depth, with
@@ -404,12 +399,12 @@ impl ProgramResource {
         signature: u64,
         device: Device,
     ) -> Result<bool, cxx::Exception> {
-        let known = self.depths.lock().unwrap().get(&signature).copied();
+        let known = self.fits.lock().unwrap().get(&signature).and_then(|f| f.depth);
         let depth = match known {
             Some(depth) => depth,
             None => {
                 let depth = ffi::program_graph_depth(&self.spec.0, v, device as i32)?;
-                self.depths.lock().unwrap().insert(signature, depth);
+                self.fits.lock().unwrap().entry(signature).or_default().depth = Some(depth);
                 depth
             }
         };
@@ -427,16 +422,18 @@ impl ProgramResource {
         Ok(c)
     }
 
-    /// Notes a run's hand-over, and, for a compiled program, the nodes its compiled form
-    /// builds (its fused kernels one node each, and an output's `contiguous`): counting
-    /// the program's own instructions would overstate them.
-    fn handed_over(&self, signature: u64, took: Duration, taken: bool, nodes: Option<usize>) {
-        let mut fits = self.async_fits.lock().unwrap();
+    /// Notes a run's hand-over, and, for a compiled program's dirty run, that it is
+    /// compiled for these shapes and the nodes its compiled form builds (its fused
+    /// kernels one node each, and an output's `contiguous`): counting the program's own
+    /// instructions would overstate them.
+    fn handed_over(&self, signature: u64, took: Duration, taken: bool, compiled_nodes: Option<usize>) {
+        let mut fits = self.fits.lock().unwrap();
         let fit = fits.entry(signature).or_default();
         fit.handover = Some(took);
         fit.taken = taken;
-        if let Some(n) = nodes {
+        if let Some(n) = compiled_nodes {
             fit.small = Some(n <= ASYNC_MAX_NODES);
+            fit.compiled = true;
         }
     }
 }
@@ -450,14 +447,14 @@ impl ProgramResource {
 /// too): an instruction that adds no node is rare. Returns what is known of it and
 /// whether it is small, or `None` for the dirty scheduler.
 fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Option<(Fit, bool)> {
-    let known = program.async_fits.lock().unwrap().get(&signature).copied().unwrap_or_default();
+    let known = program.fits.lock().unwrap().get(&signature).copied().unwrap_or_default();
     // An entry made by a dirty run (its hand-over) may not be counted yet.
     let (fit, small) = match known.small {
         Some(small) => (known, small),
         None => {
             let small = program.n_instrs <= ASYNC_MAX_INSTRS
                 && ffi::program_graph_size(&program.spec.0, v).is_ok_and(|n| n <= ASYNC_MAX_NODES);
-            let mut fits = program.async_fits.lock().unwrap();
+            let mut fits = program.fits.lock().unwrap();
             let fit = fits.entry(signature).or_default();
             fit.small = Some(small);
             (*fit, small)
@@ -538,7 +535,7 @@ fn program_eval_async<'a>(
         // program, which here would hold the scheduler; a 1,024-op chain's trace took
         // 3.4 ms, a 64-op chain's 0.3 ms.)
         true if program.n_instrs <= ASYNC_MAX_INSTRS
-            && program.compiled_for.lock().unwrap().contains(&signature)
+            && program.fits.lock().unwrap().get(&signature).is_some_and(|f| f.compiled)
             && program.compiles_here(&v, signature, Device::Cpu).unwrap_or(false) =>
         {
             Some(program.compiled(Device::Cpu).map_err(|e| crate::error::raise(&mlx_error(OP, e, &[])))?)
@@ -602,7 +599,7 @@ fn program_eval_async<'a>(
         Some(took) => took > ASYNC_POLL / 2,
     };
     if slow != fit.slow {
-        program.async_fits.lock().unwrap().entry(signature).or_default().slow = slow;
+        program.fits.lock().unwrap().entry(signature).or_default().slow = slow;
     }
     rustler::schedule::consume_timeslice(env, (start.elapsed().as_micros() / 10).min(100) as i32);
     match progress.result.take() {
