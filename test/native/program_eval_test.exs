@@ -154,15 +154,8 @@ defmodule Emily.ProgramEvalTest do
     # nodes), but one fused kernel once compiled.
     x = t([0.1, 0.2, 0.3])
     Emily.eval(x)
-    chain = for k <- 0..63, do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]}
-    p = Program.new(chain, inputs: 1, compile: true)
-
-    expected =
-      Enum.map([0.1, 0.2, 0.3], fn v ->
-        Enum.reduce(0..63, v, fn k, acc ->
-          if rem(k, 2) == 0, do: :math.sin(acc), else: :math.cos(acc)
-        end)
-      end)
+    p = Program.new(sin_cos_chain(64), inputs: 1, compile: true)
+    expected = sin_cos_values(64, [0.1, 0.2, 0.3])
 
     if Emily.Stream.device(s()) == :cpu do
       # The first run, on the dirty scheduler, compiles it and counts its fused graph.
@@ -171,26 +164,29 @@ defmodule Emily.ProgramEvalTest do
       assert_close(l(out), expected)
 
       ref = make_ref()
-
-      out =
-        case when_idle(fn -> N.program_eval_async(s(), p, [x], ref) end) do
-          [out] ->
-            out
-
-          pending when not is_atom(pending) ->
-            assert(:ok = Emily.await(ref)) && hd(N.program_eval_take(pending))
-        end
-
+      [out] = taken(fn -> N.program_eval_async(s(), p, [x], ref) end, ref)
       assert_close(l(out), expected)
 
       # Over 160 instructions, never: a thread's first call would trace it there.
-      long = for k <- 0..199, do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]}
-      q = Program.new(long, inputs: 1, compile: true)
+      q = Program.new(sin_cos_chain(200), inputs: 1, compile: true)
       assert [_] = N.program_eval(s(), q, [x])
       for _ <- 1..10, do: assert(N.program_eval_async(s(), q, [x], make_ref()) == :dirty)
     end
 
     assert_close(l(hd(Program.eval(p, [x]))), expected)
+  end
+
+  # `n` instructions alternating sin and cos, from input 0; and their values from `xs`,
+  # computed on the host.
+  defp sin_cos_chain(n),
+    do: for(k <- 0..(n - 1), do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]})
+
+  defp sin_cos_values(n, xs) do
+    Enum.map(xs, fn v ->
+      Enum.reduce(0..(n - 1), v, fn k, acc ->
+        if rem(k, 2) == 0, do: :math.sin(acc), else: :math.cos(acc)
+      end)
+    end)
   end
 
   # mx::compile's tracing recurses along the graph: a compiled chain of 2,000 ops
@@ -200,15 +196,8 @@ defmodule Emily.ProgramEvalTest do
     Emily.eval(x)
 
     for n <- [3_000, 40_000] do
-      chain = for k <- 0..(n - 1), do: {if(rem(k, 2) == 0, do: :sin, else: :cos), [k]}
-      p = Program.new(chain, inputs: 1, compile: true)
-
-      expected =
-        Enum.map([0.1, 0.2, 0.3], fn v ->
-          Enum.reduce(0..(n - 1), v, fn k, acc ->
-            if rem(k, 2) == 0, do: :math.sin(acc), else: :math.cos(acc)
-          end)
-        end)
+      p = Program.new(sin_cos_chain(n), inputs: 1, compile: true)
+      expected = sin_cos_values(n, [0.1, 0.2, 0.3])
 
       # Too deep for a dirty scheduler: the stream's worker runs it (compiled at 3,000
       # ops; at 40,000, beyond the worker's stack too, uncompiled).
