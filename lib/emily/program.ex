@@ -86,7 +86,7 @@ defmodule Emily.Program do
   per thread and per input shapes and dtypes, and every thread's entry is dropped when
   the program is garbage. Once a CPU program is compiled for some input shapes, `eval/3`
   with inputs of those shapes may take the caller's own scheduler as above (if it has at
-  most 160 instructions, so that tracing it there is short): MLX's fused kernels are then
+  most 256 instructions, so that tracing it there is short): MLX's fused kernels are then
   built, and that thread only traces the program. Its nodes are those
   of its compiled form (a fused kernel is one), counted on the dirty path, where its
   hand-over is timed too (the first such run includes the compiling).

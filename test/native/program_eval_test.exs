@@ -167,8 +167,8 @@ defmodule Emily.ProgramEvalTest do
       [out] = taken(fn -> N.program_eval_async(s(), p, [x], ref) end, ref)
       assert_close(l(out), expected)
 
-      # Over 160 instructions, never: a thread's first call would trace it there.
-      q = Program.new(sin_cos_chain(200), inputs: 1, compile: true)
+      # Over 256 instructions, never: a thread's first call would trace it there.
+      q = Program.new(sin_cos_chain(300), inputs: 1, compile: true)
       assert [_] = N.program_eval(s(), q, [x])
       for _ <- 1..10, do: assert(N.program_eval_async(s(), q, [x], make_ref()) == :dirty)
     end

@@ -347,9 +347,15 @@ fn program_eval<'a>(
 const ASYNC_MAX_NODES: usize = 40;
 
 /// The most instructions a program that `program_eval_async` takes uncounted may have:
-/// one far longer is not built to be counted (an instruction that adds no node is rare),
-/// and a compiled one's first trace on a thread (on the caller's scheduler) stays short.
+/// one far longer is not built to be counted (an instruction that adds no node is rare).
 const ASYNC_MAX_INSTRS: usize = 4 * ASYNC_MAX_NODES;
+
+/// The most instructions a compiled program that `program_eval_async` takes may have: a
+/// thread's first call traces the program, on the caller's scheduler. That first call
+/// took 0.2 ms for a 64-op chain and 0.5-0.6 ms for 256 ops, evaluation
+/// included; later calls 30-60 us. A longer program stays on the dirty scheduler, whose
+/// round trip cost a compiled 167-instruction graph (bench/'s dropout) some 40 us a run.
+const COMPILED_ASYNC_MAX_INSTRS: usize = 256;
 
 /// A larger graph may take `program_eval_async` too when its last hand-over (building
 /// it and handing it to MLX, MLX's waits for earlier work included) took at most this
@@ -531,10 +537,9 @@ fn program_eval_async<'a>(
     // CPU, MLX's kernel library is process-wide; its compile cache, per thread).
     let here = match program.compile {
         false => None,
-        // (Of at most `ASYNC_MAX_INSTRS` instructions: a thread's first call traces the
-        // program, which here would hold the scheduler; a 1,024-op chain's trace took
-        // 3.4 ms, a 64-op chain's 0.3 ms.)
-        true if program.n_instrs <= ASYNC_MAX_INSTRS
+        // (Of at most `COMPILED_ASYNC_MAX_INSTRS` instructions: a thread's first call
+        // traces the program, which holds the scheduler meanwhile.)
+        true if program.n_instrs <= COMPILED_ASYNC_MAX_INSTRS
             && program.fits.lock().unwrap().get(&signature).is_some_and(|f| f.compiled)
             && program.compiles_here(&v, signature, Device::Cpu).unwrap_or(false) =>
         {
