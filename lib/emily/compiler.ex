@@ -170,32 +170,33 @@ if Code.ensure_loaded?(Nx) do
     # executables. A graph that falls back is kept as such (with its reason), so that it
     # is not lowered again; each of its runs still reports the fallback.
     defp lowered(key, vars, fun, opts, device) do
-      {cache?, opts} = Keyword.pop(opts, :cache, true)
+      if Keyword.get(opts, :cache, true) do
+        cache_key = {:native, key, args_keys(vars), device, cache_opts(opts)}
 
-      cached(cache?, {:native, key, Enum.map(vars, &args_key/1), device, cache_opts(opts)}, fn ->
-        catch_unsupported(fn -> Native.lower(vars, fun, opts ++ [device: device]) end)
-      end)
+        case cache_lookup(cache_key) do
+          {:ok, result} ->
+            result
+
+          :error ->
+            result = lower(vars, fun, opts, device)
+            cache_store(cache_key, result)
+            result
+        end
+      else
+        lower(vars, fun, opts, device)
+      end
     end
 
-    # `make`'s result, kept under `cache_key` (with `cache?`).
-    defp cached(false, _cache_key, make), do: make.()
-
-    defp cached(true, cache_key, make) do
-      case cache_lookup(cache_key) do
-        {:ok, result} ->
-          result
-
-        :error ->
-          result = make.()
-          cache_store(cache_key, result)
-          result
-      end
+    defp lower(vars, fun, opts, device) do
+      opts = Keyword.delete(opts, :cache) ++ [device: device]
+      catch_unsupported(fn -> Native.lower(vars, fun, opts) end)
     end
 
     # A stream stands in a cache key for its device: what is kept does not depend on the
     # stream that runs it (programs and traced graphs run on any stream of the device),
     # and a handle in a key would keep the stream, and its worker thread, alive for as
     # long as the entry (Nx.Serving makes new streams for its partitions at each start).
+    # (The `:cache` option is part of the key, as it is `true` wherever a key is made.)
     defp cache_opts(opts) do
       case Keyword.pop(opts, :stream) do
         {nil, opts} -> opts
@@ -203,7 +204,16 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    # The parameters' templates: tensors, and the tuples of them that functions take
+    # (parameters), walked directly, as this runs on every call; other containers through
+    # `Nx.Defn.Composite`.
+    defp args_keys([var | vars]), do: [args_key(var) | args_keys(vars)]
+    defp args_keys([]), do: []
+
     defp args_key(%Nx.Tensor{} = t), do: {t.type, t.shape, t.names, t.vectorized_axes}
+
+    defp args_key(tuple) when is_tuple(tuple),
+      do: tuple |> Tuple.to_list() |> args_keys() |> List.to_tuple()
 
     defp args_key(var) do
       Nx.Defn.Composite.traverse(var, fn
@@ -293,6 +303,13 @@ if Code.ensure_loaded?(Nx) do
             refs
         end
 
+      results(template, refs, s)
+    end
+
+    # The outputs in the template's container (a lone tensor is the common case).
+    defp results(%Nx.Tensor{} = t, [ref], s), do: %{t | data: %Emily.Backend{ref: ref, stream: s}}
+
+    defp results(template, refs, s) do
       {result, []} =
         Nx.Defn.Composite.traverse(template, refs, fn t, [ref | rest] ->
           {%{t | data: %Emily.Backend{ref: ref, stream: s}}, rest}
