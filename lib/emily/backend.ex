@@ -119,7 +119,8 @@ if Code.ensure_loaded?(Nx) do
 
     alias Nx.Tensor, as: T
     alias Emily.Backend, as: B
-    alias Emily.Backend.{Fallback, Storage}
+    alias Emily.Backend.{Compose, Fallback, Storage}
+    alias Emily.Backend.Compose.Eager
     alias Emily.Native, as: N
 
     require Emily.Debug
@@ -370,7 +371,8 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_as_type(%T{type: to} = out, %T{type: from} = t) do
       s = stream([t], to)
-      wrap(convert(s, ref(t, s), from, to), out, s)
+      {y, _} = Compose.cast({Eager, s}, ref(t, s), from, to)
+      wrap(y, out, s)
     end
 
     defp n_bitcast(%T{type: to} = out, %T{} = t) do
@@ -694,32 +696,14 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # Nx.BinaryBackend's erf_inv is Giles' single-precision approximation evaluated in
-    # f64 (Complex.erf_inv) and rounded once. Where the stream computes f64 (the CPU),
-    # Emily evaluates the same formula the same way, so both agree to the last bit, on
-    # f64 too (whose MLX erfinv has f32 accuracy). A GPU runs MLX's erfinv in f32.
-    @erf_inv_small elem(Emily.Backend.Ops.erf_inv_coefficients(), 0)
-    @erf_inv_large elem(Emily.Backend.Ops.erf_inv_coefficients(), 1)
-
+    # On the CPU, Nx.BinaryBackend's formula, to the last bit (Compose.erf_inv/3); a GPU
+    # runs MLX's erfinv in f32.
     defp n_erf_inv(%T{type: type} = out, %T{} = t) do
       s = stream([t], type)
 
       if Emily.Stream.device(s) == :cpu do
-        f64 = {:f, 64}
-        c = &scalar(s, &1, f64, {})
-        z = ref(t, s, f64)
-        w = N.negative(s, N.log(s, N.multiply(s, N.subtract(s, c.(1), z), N.add(s, c.(1), z))))
-
-        horner = fn coeffs, x ->
-          Enum.reduce(tl(coeffs), c.(hd(coeffs)), &N.add(s, N.multiply(s, &2, x), c.(&1)))
-        end
-
-        small = horner.(@erf_inv_small, N.subtract(s, w, c.(2.5)))
-        large = horner.(@erf_inv_large, N.subtract(s, N.sqrt(s, w), c.(3)))
-        x = N.multiply(s, N.where(s, N.less(s, w, c.(5)), small, large), z)
-        x = N.where(s, N.equal(s, z, c.(1)), c.(:infinity), x)
-        x = N.where(s, N.equal(s, z, c.(-1)), c.(:neg_infinity), x)
-        wrap(N.astype(s, x, type), out, s)
+        {y, _} = Compose.erf_inv({Eager, s}, ref(t, s, {:f, 64}), type)
+        wrap(y, out, s)
       else
         wrap(N.erfinv(s, ref(t, s, type)), out, s)
       end
@@ -981,24 +965,11 @@ if Code.ensure_loaded?(Nx) do
       wrap(clean_fft(s, x, type, opts[:eps]), out, s)
     end
 
-    # Nx.BinaryBackend zeroes the components of transform results within `eps` of zero
-    # (which also turns -0.0 into 0.0); so does Emily.
-    defp clean_fft(_s, x, _type, nil), do: x
-
-    defp clean_fft(s, x, {:c, _} = type, eps) do
-      {:c, bits} = type
-      real = {:f, div(bits, 2)}
-      zero = scalar(s, 0, real, {})
-      tol = scalar(s, eps, real, {})
-      clean = fn v -> N.where(s, N.less_equal(s, N.abs(s, v), tol), zero, v) end
-      re = N.astype(s, clean.(N.real(s, x)), type)
-      im = N.astype(s, clean.(N.imag(s, x)), type)
-      N.add(s, re, N.multiply(s, im, scalar(s, Complex.new(0, 1), type, {})))
-    end
-
+    # Nx.BinaryBackend zeroes the components of transform results within `eps` of zero;
+    # so does Emily.
     defp clean_fft(s, x, type, eps) do
-      zero = scalar(s, 0, type, {})
-      N.where(s, N.less_equal(s, N.abs(s, x), scalar(s, eps, type, {})), zero, x)
+      {y, _} = Compose.clean_transform({Eager, s}, x, type, eps)
+      y
     end
 
     # MLX's linalg runs on the CPU only; inputs on a GPU stream are evaluated there and
@@ -1298,71 +1269,7 @@ if Code.ensure_loaded?(Nx) do
 
     ## Helpers
 
-    # Nx's as_type: floats to integers truncate, NaN becomes 0 and infinities the
-    # type's limits; complex to real keeps the real part.
-    defp convert(_s, x, type, type), do: x
-
-    defp convert(s, x, {:c, _}, {k, _} = to) when k in [:u, :s] do
-      convert(s, N.real(s, x), {:f, 32}, to)
-    end
-
-    defp convert(s, x, {k, _} = from, {ik, _} = to) when k in [:f, :bf] and ik in [:u, :s] do
-      y = N.astype(s, x, to)
-      y = N.where(s, N.isnan(s, x), scalar(s, 0, to, {}), y)
-      inf = scalar(s, :infinity, from, {})
-      y = N.where(s, N.equal(s, x, inf), limit(s, :max, to), y)
-      y = N.where(s, N.equal(s, x, N.negative(s, inf)), limit(s, :min, to), y)
-      y
-    end
-
-    defp convert(s, x, _from, to), do: N.astype(s, x, to)
-
-    defp limit(s, :max, type), do: N.from_binary(s, Nx.Type.max_finite_binary(type), {}, type)
-    defp limit(s, :min, type), do: N.from_binary(s, Nx.Type.min_finite_binary(type), {}, type)
-
-    # A constant of `type` and `shape`: one `full` where a double holds the value, else
-    # its exact bytes broadcast.
-    defp scalar(s, value, {kind, _} = type, shape) when kind in [:u, :s] do
-      value =
-        case value do
-          v when is_integer(v) -> v
-          v when is_float(v) -> trunc(v)
-          %Complex{re: re} -> trunc(re)
-        end
-
-      if abs(value) < 9_007_199_254_740_992 and shape != {} do
-        N.full(s, shape, value, type)
-      else
-        bin = Emily.Codec.pack([value], type)
-        x = N.from_binary(s, bin, {}, type)
-        if shape == {}, do: x, else: N.broadcast_to(s, x, shape)
-      end
-    end
-
-    defp scalar(s, value, {:c, _} = type, shape) do
-      value =
-        case value do
-          %Complex{} -> value
-          v -> Complex.new(v, 0.0)
-        end
-
-      x = N.from_binary(s, Emily.Codec.pack([value], type), {}, type)
-      if shape == {}, do: x, else: N.broadcast_to(s, x, shape)
-    end
-
-    defp scalar(s, value, type, shape) do
-      value =
-        case value do
-          %Complex{re: re} -> re
-          v -> v
-        end
-
-      if shape == {} do
-        N.from_binary(s, Emily.Codec.pack([value], type), {}, type)
-      else
-        N.full(s, shape, value, type)
-      end
-    end
+    defp scalar(s, value, type, shape), do: Eager.scalar(s, value, type, shape)
 
     defp reshape(x, s, shape), do: N.reshape(s, x, shape)
     defp broadcast_to(x, s, shape), do: N.broadcast_to(s, x, shape)

@@ -86,16 +86,6 @@ defmodule Emily.Backend.Ops do
   @doc "Nx comparisons => Native op (MLX bool results; Nx wants u8)."
   def compare, do: @compare
 
-  # Giles' single-precision erf_inv (Nx.BinaryBackend's, Complex.erf_inv): the
-  # polynomials for w < 5 and for w >= 5, highest power first.
-  @erf_inv_small [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06] ++
-                   [0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941]
-  @erf_inv_large [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844] ++
-                   [0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
-
-  @doc "The coefficients of Nx's erf_inv: `{w < 5, w >= 5}`, highest power first."
-  def erf_inv_coefficients, do: {@erf_inv_small, @erf_inv_large}
-
   @doc """
   The Native `conv` op's arguments after the input and the kernel, from Nx's `conv`
   options (padding as `{lo, hi}` pairs).

@@ -9,7 +9,10 @@ if Code.ensure_loaded?(Nx) do
     # Emily.Compiler.Native.Control.
 
     alias Nx.Tensor, as: T
+    alias Emily.Backend.Compose
     alias Emily.Compiler.Native.{Control, Index}
+
+    @behaviour Compose
 
     import Emily.Compiler.Native,
       only: [lower_node: 2, emit: 3, operand: 3, checked: 4, axes: 2]
@@ -36,8 +39,6 @@ if Code.ensure_loaded?(Nx) do
     @index_ops [:slice, :put_slice, :gather, :indexed_add, :indexed_put, :argmax, :argmin] ++
                  [:sort, :argsort, :window_sum, :window_product, :window_max, :window_min] ++
                  [:window_scatter_max, :window_scatter_min, :reduce, :window_reduce, :conv]
-
-    @erf_inv Emily.Backend.Ops.erf_inv_coefficients()
 
     @fast_blocks Emily.Fast.blocks()
 
@@ -83,17 +84,9 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :broadcast_to, [x, shape])
     end
 
-    # A complex constant: its two parts as floats, read as one complex number (exact,
-    # infinities and NaN included, as no arithmetic touches them).
-    def lower_op(:constant, [value], %T{type: {:c, bits} = type, shape: shape}, st) do
-      real = {:f, div(bits, 2)}
-
-      {parts, st} =
-        Enum.map_reduce(complex_parts(value), st, &emit(&2, :full, [{1}, &1, real]))
-
-      {parts, st} = emit(st, :concatenate, [parts, 0])
-      {c, st} = emit(st, :view, [parts, type])
-      {c, st} = emit(st, :reshape, [c, {}])
+    # A complex constant: a complex scalar (`scalar/3`), broadcast.
+    def lower_op(:constant, [value], %T{type: {:c, _} = type, shape: shape}, st) do
+      {c, st} = scalar(st, value, type)
       emit(st, :broadcast_to, [c, shape])
     end
 
@@ -162,30 +155,11 @@ if Code.ensure_loaded?(Nx) do
     end
 
     # As Emily.Backend's: MLX's transform, then, with Nx's `:eps`, each component within
-    # it of zero set to zero (as Nx.BinaryBackend does).
-    def lower_op(op, [x, opts], %T{type: {:c, bits} = type}, st) when op in [:fft, :ifft] do
+    # it of zero set to zero (Compose.clean_transform/4).
+    def lower_op(op, [x, opts], %T{type: {:c, _} = type}, st) when op in [:fft, :ifft] do
       {x, st} = operand(x, type, st)
       {y, st} = emit(st, op, [x, opts[:length], opts[:axis]])
-
-      case opts[:eps] do
-        nil ->
-          {y, st}
-
-        eps ->
-          real = {:f, div(bits, 2)}
-          {zero, st} = emit(st, :full, [{}, 0, real])
-          {tol, st} = emit(st, :full, [{}, eps, real])
-          {re, st} = emit(st, :real, [y])
-          {re, st} = clean(re, zero, tol, type, st)
-          {im, st} = emit(st, :imag, [y])
-          {im, st} = clean(im, zero, tol, type, st)
-          # i: the floats 0 and 1 read as one complex number.
-          {parts, st} = emit(st, :arange, [0, 2, 1, real])
-          {i, st} = emit(st, :view, [parts, type])
-          {i, st} = emit(st, :reshape, [i, {}])
-          {im, st} = emit(st, :multiply, [im, i])
-          emit(st, :add, [re, im])
-      end
+      composed(Compose.clean_transform({__MODULE__, st}, y, type, opts[:eps]))
     end
 
     def lower_op(:bitcast, [x], %T{type: type}, st) do
@@ -193,37 +167,11 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :view, [x, type])
     end
 
-    # As Emily.Backend's: on the CPU, Nx's own formula in f64, rounded once (equal to
-    # Nx.BinaryBackend's to the last bit); on a GPU, MLX's erfinv.
+    # As Emily.Backend's: on the CPU, Nx.BinaryBackend's formula (Compose.erf_inv/3); on
+    # a GPU, MLX's erfinv.
     def lower_op(:erf_inv, [x], %T{type: type}, %{device: :cpu} = st) do
-      f64 = {:f, 64}
-      {small, large} = @erf_inv
-      {z, st} = operand(x, f64, st)
-      {one, st} = emit(st, :full, [{}, 1, f64])
-      {a, st} = emit(st, :subtract, [one, z])
-      {b, st} = emit(st, :add, [one, z])
-      {ab, st} = emit(st, :multiply, [a, b])
-      {log, st} = emit(st, :log, [ab])
-      {w, st} = emit(st, :negative, [log])
-      {c, st} = emit(st, :full, [{}, 2.5, f64])
-      {w_small, st} = emit(st, :subtract, [w, c])
-      {small, st} = horner(small, w_small, st)
-      {sqrt_w, st} = emit(st, :sqrt, [w])
-      {c, st} = emit(st, :full, [{}, 3, f64])
-      {w_large, st} = emit(st, :subtract, [sqrt_w, c])
-      {large, st} = horner(large, w_large, st)
-      {c, st} = emit(st, :full, [{}, 5, f64])
-      {below, st} = emit(st, :less, [w, c])
-      {poly, st} = emit(st, :where, [below, small, large])
-      {y, st} = emit(st, :multiply, [poly, z])
-      {edge, st} = emit(st, :equal, [z, one])
-      {inf, st} = emit(st, :full, [{}, :infinity, f64])
-      {y, st} = emit(st, :where, [edge, inf, y])
-      {minus_one, st} = emit(st, :full, [{}, -1, f64])
-      {edge, st} = emit(st, :equal, [z, minus_one])
-      {neg_inf, st} = emit(st, :full, [{}, :neg_infinity, f64])
-      {y, st} = emit(st, :where, [edge, neg_inf, y])
-      emit(st, :astype, [y, type])
+      {z, st} = operand(x, {:f, 64}, st)
+      composed(Compose.erf_inv({__MODULE__, st}, z, type))
     end
 
     def lower_op(:erf_inv, [x], %T{type: type}, st) do
@@ -268,33 +216,12 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :astype, [y, type])
     end
 
-    # Nx's float to integer cast, as Emily.Backend's: truncation, NaN to 0, infinities to
-    # the type's limits (from complex, of the real part). A complex to float cast keeps
-    # the real part (MLX's astype, below, as Emily.Backend's).
+    # Nx's float to integer cast (Compose.cast/4; from complex, of the real part). A
+    # complex to float cast keeps the real part (MLX's astype, below, as Emily.Backend's).
     def lower_op(:as_type, [%T{type: {fk, _} = from} = x], %T{type: {tk, _} = to}, st)
         when fk in [:f, :bf, :c] and tk in [:u, :s] do
       {x, st} = lower_node(x, st)
-
-      {x, from, st} =
-        if fk == :c do
-          {re, st} = emit(st, :real, [x])
-          {re, {:f, 32}, st}
-        else
-          {x, from, st}
-        end
-
-      {y, st} = emit(st, :astype, [x, to])
-      {nan, st} = emit(st, :isnan, [x])
-      {zero, st} = emit(st, :full, [{}, 0, to])
-      {y, st} = emit(st, :where, [nan, zero, y])
-      {inf, st} = emit(st, :full, [{}, :infinity, from])
-      {above, st} = emit(st, :equal, [x, inf])
-      {max, st} = int_limit(st, :max, to)
-      {y, st} = emit(st, :where, [above, max, y])
-      {neg_inf, st} = emit(st, :negative, [inf])
-      {below, st} = emit(st, :equal, [x, neg_inf])
-      {min, st} = int_limit(st, :min, to)
-      emit(st, :where, [below, min, y])
+      composed(Compose.cast({__MODULE__, st}, x, from, to))
     end
 
     def lower_op(:as_type, [x], %T{type: to}, st), do: operand(x, to, st)
@@ -447,50 +374,57 @@ if Code.ensure_loaded?(Nx) do
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
     # `part` with each value within `tol` of zero set to `zero`, as `type`.
-    defp clean(part, zero, tol, type, st) do
-      {magnitude, st} = emit(st, :abs, [part])
-      {small, st} = emit(st, :less_equal, [magnitude, tol])
-      {part, st} = emit(st, :where, [small, zero, part])
-      emit(st, :astype, [part, type])
+    # Emily.Backend.Compose's builder for programs: each op an instruction, each scalar a
+    # `full` (exact where a double holds the value, as the op table's float argument is;
+    # a complex one from its parts), each limit as below.
+    @impl Compose
+    def op(st, name, args), do: emit(st, name, args)
+
+    # A complex scalar: its two parts as floats, read as one complex number (exact,
+    # infinities and NaN included, as no arithmetic touches them).
+    @impl Compose
+    def scalar(st, value, {:c, bits} = type) do
+      real = {:f, div(bits, 2)}
+
+      {parts, st} =
+        Enum.map_reduce(complex_parts(value), st, &emit(&2, :full, [{1}, &1, real]))
+
+      {parts, st} = emit(st, :concatenate, [parts, 0])
+      {c, st} = emit(st, :view, [parts, type])
+      emit(st, :reshape, [c, {}])
     end
 
-    # sum(coefficient * x^power), highest power first, in f64.
-    defp horner([first | rest], x, st) do
-      {acc, st} = emit(st, :full, [{}, first, {:f, 64}])
+    def scalar(st, value, type), do: emit(st, :full, [{}, real_constant(value), type])
 
-      Enum.reduce(rest, {acc, st}, fn coefficient, {acc, st} ->
-        {product, st} = emit(st, :multiply, [acc, x])
-        {c, st} = emit(st, :full, [{}, coefficient, {:f, 64}])
-        emit(st, :add, [product, c])
-      end)
-    end
+    defp composed({slot, {__MODULE__, st}}), do: {slot, st}
 
     # An integer type's limit as a scalar; the 64-bit ones, which a double does not hold
     # exactly, from bit operations (computed once, when constants are folded).
-    defp int_limit(st, :min, {:u, _} = type), do: emit(st, :full, [{}, 0, type])
+    @impl Compose
+    def limit(st, :min, {:u, _} = type), do: emit(st, :full, [{}, 0, type])
 
-    defp int_limit(st, :max, {:u, 64} = type) do
-      {zero, st} = int_limit(st, :min, type)
+    def limit(st, :max, {:u, 64} = type) do
+      {zero, st} = limit(st, :min, type)
       emit(st, :bitwise_invert, [zero])
     end
 
-    defp int_limit(st, :max, {:u, bits} = type), do: emit(st, :full, [{}, 2 ** bits - 1, type])
+    def limit(st, :max, {:u, bits} = type), do: emit(st, :full, [{}, 2 ** bits - 1, type])
 
-    defp int_limit(st, :min, {:s, 64} = type) do
+    def limit(st, :min, {:s, 64} = type) do
       {one, st} = emit(st, :full, [{}, 1, type])
       {shift, st} = emit(st, :full, [{}, 63, type])
       emit(st, :left_shift, [one, shift])
     end
 
-    defp int_limit(st, :max, {:s, 64} = type) do
-      {min, st} = int_limit(st, :min, type)
+    def limit(st, :max, {:s, 64} = type) do
+      {min, st} = limit(st, :min, type)
       emit(st, :bitwise_invert, [min])
     end
 
-    defp int_limit(st, :min, {:s, bits} = type),
+    def limit(st, :min, {:s, bits} = type),
       do: emit(st, :full, [{}, -(2 ** (bits - 1)), type])
 
-    defp int_limit(st, :max, {:s, bits} = type),
+    def limit(st, :max, {:s, bits} = type),
       do: emit(st, :full, [{}, 2 ** (bits - 1) - 1, type])
 
     defp real_constant(v) when is_integer(v) and abs(v) < @max_exact, do: v

@@ -1,0 +1,201 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Backend.Compose do
+    @moduledoc false
+    # The Nx ops MLX computes as several ops, each composition written once for both
+    # Emily.Backend (which runs it op by op on a stream) and Emily.Compiler's native path
+    # (which emits it as a program's instructions), so that both compute the same MLX
+    # ops. A composition takes a builder, `{module, state}`, and returns
+    # `{value, builder}`; the module makes each op, scalar and type limit:
+    # Emily.Backend.Compose.Eager (the state a stream, values arrays) and
+    # Emily.Compiler.Native.Ops (the lowering's state, values slots). Ops are the op
+    # table's, with its arguments after the stream.
+
+    @type builder :: {module, term}
+
+    @doc "The op table's op `name` on `args`."
+    @callback op(state, name :: atom, args :: list) :: {value :: term, state} when state: term
+
+    @doc "A scalar of `type` that holds `value` (a number, `Complex`, or a non-finite atom) exactly."
+    @callback scalar(state, value :: term, Nx.Type.t()) :: {value :: term, state} when state: term
+
+    @doc "The least or greatest finite value of an integer `type`, as a scalar."
+    @callback limit(state, :min | :max, Nx.Type.t()) :: {value :: term, state} when state: term
+
+    # Giles' single-precision erf_inv (Nx.BinaryBackend's, Complex.erf_inv): the
+    # polynomials for w < 5 and for w >= 5, highest power first.
+    @erf_inv_small [2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06] ++
+                     [0.00021858087, -0.00125372503, -0.00417768164, 0.246640727, 1.50140941]
+    @erf_inv_large [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844] ++
+                     [0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
+
+    def op({mod, state}, name, args), do: rebuild(mod, mod.op(state, name, args))
+
+    def scalar({mod, state}, value, type), do: rebuild(mod, mod.scalar(state, value, type))
+
+    defp limit({mod, state}, which, type), do: rebuild(mod, mod.limit(state, which, type))
+
+    defp rebuild(mod, {value, state}), do: {value, {mod, state}}
+
+    # Nx's `as_type` of `x` from `from` to `to`: floats to integers truncate, NaN becomes
+    # 0 and infinities the type's limits; complex to integer takes the real part (complex
+    # to float too, which MLX's cast does).
+    def cast(b, x, type, type), do: {x, b}
+
+    def cast(b, x, {:c, _}, {k, _} = to) when k in [:u, :s] do
+      {re, b} = op(b, :real, [x])
+      cast(b, re, {:f, 32}, to)
+    end
+
+    def cast(b, x, {k, _} = from, {ik, _} = to) when k in [:f, :bf] and ik in [:u, :s] do
+      {y, b} = op(b, :astype, [x, to])
+      {nan, b} = op(b, :isnan, [x])
+      {zero, b} = scalar(b, 0, to)
+      {y, b} = op(b, :where, [nan, zero, y])
+      {inf, b} = scalar(b, :infinity, from)
+      {above, b} = op(b, :equal, [x, inf])
+      {max, b} = limit(b, :max, to)
+      {y, b} = op(b, :where, [above, max, y])
+      {neg_inf, b} = op(b, :negative, [inf])
+      {below, b} = op(b, :equal, [x, neg_inf])
+      {min, b} = limit(b, :min, to)
+      op(b, :where, [below, min, y])
+    end
+
+    def cast(b, x, _from, to), do: op(b, :astype, [x, to])
+
+    # Nx.BinaryBackend's `erf_inv` of `z` (f64), as `type`: Giles' single-precision
+    # approximation (Complex.erf_inv) evaluated in f64 and rounded once, so that it agrees
+    # with Nx.BinaryBackend to the last bit, on f64 too (where MLX's `erfinv` has f32
+    # accuracy). For streams that compute f64 (the CPU).
+    def erf_inv(b, z, type) do
+      f64 = {:f, 64}
+      {one, b} = scalar(b, 1, f64)
+      {below_one, b} = op(b, :subtract, [one, z])
+      {above_minus_one, b} = op(b, :add, [one, z])
+      {product, b} = op(b, :multiply, [below_one, above_minus_one])
+      {log, b} = op(b, :log, [product])
+      {w, b} = op(b, :negative, [log])
+      {c, b} = scalar(b, 2.5, f64)
+      {w_small, b} = op(b, :subtract, [w, c])
+      {small, b} = horner(b, @erf_inv_small, w_small)
+      {sqrt_w, b} = op(b, :sqrt, [w])
+      {c, b} = scalar(b, 3, f64)
+      {w_large, b} = op(b, :subtract, [sqrt_w, c])
+      {large, b} = horner(b, @erf_inv_large, w_large)
+      {c, b} = scalar(b, 5, f64)
+      {small_w, b} = op(b, :less, [w, c])
+      {poly, b} = op(b, :where, [small_w, small, large])
+      {y, b} = op(b, :multiply, [poly, z])
+      {y, b} = at(b, y, z, 1, :infinity)
+      {y, b} = at(b, y, z, -1, :neg_infinity)
+      op(b, :astype, [y, type])
+    end
+
+    # Nx.BinaryBackend's cleaning of a transform's result `x` of `type` with its `:eps`:
+    # each component within `eps` of zero set to zero (which also turns -0.0 into 0.0).
+    def clean_transform(b, x, _type, nil), do: {x, b}
+
+    def clean_transform(b, x, {:c, bits} = type, eps) do
+      real = {:f, div(bits, 2)}
+      {re, b} = op(b, :real, [x])
+      {re, b} = clean(b, re, real, eps)
+      {re, b} = op(b, :astype, [re, type])
+      {im, b} = op(b, :imag, [x])
+      {im, b} = clean(b, im, real, eps)
+      {im, b} = op(b, :astype, [im, type])
+      {i, b} = scalar(b, Complex.new(0, 1), type)
+      {im, b} = op(b, :multiply, [im, i])
+      op(b, :add, [re, im])
+    end
+
+    def clean_transform(b, x, type, eps), do: clean(b, x, type, eps)
+
+    defp clean(b, x, type, eps) do
+      {magnitude, b} = op(b, :abs, [x])
+      {tol, b} = scalar(b, eps, type)
+      {small, b} = op(b, :less_equal, [magnitude, tol])
+      {zero, b} = scalar(b, 0, type)
+      op(b, :where, [small, zero, x])
+    end
+
+    # The polynomial of `coefficients` (highest power first) at `x`, in f64.
+    defp horner(b, [first | rest], x) do
+      Enum.reduce(rest, scalar(b, first, {:f, 64}), fn coefficient, {acc, b} ->
+        {product, b} = op(b, :multiply, [acc, x])
+        {c, b} = scalar(b, coefficient, {:f, 64})
+        op(b, :add, [product, c])
+      end)
+    end
+
+    # `y`, with `value` where `z` is `point` (both f64).
+    defp at(b, y, z, point, value) do
+      {p, b} = scalar(b, point, {:f, 64})
+      {hit, b} = op(b, :equal, [z, p])
+      {v, b} = scalar(b, value, {:f, 64})
+      op(b, :where, [hit, v, y])
+    end
+  end
+
+  defmodule Emily.Backend.Compose.Eager do
+    @moduledoc false
+    # Emily.Backend.Compose's builder for Emily.Backend: each op an Emily.Native call on
+    # the stream, each scalar its exact bytes.
+    @behaviour Emily.Backend.Compose
+
+    alias Emily.Native, as: N
+
+    @impl true
+    def op(s, name, args), do: {apply(N, name, [s | args]), s}
+
+    @impl true
+    def scalar(s, value, type), do: {scalar(s, value, type, {}), s}
+
+    @impl true
+    def limit(s, :max, type), do: {N.from_binary(s, Nx.Type.max_finite_binary(type), {}, type), s}
+    def limit(s, :min, type), do: {N.from_binary(s, Nx.Type.min_finite_binary(type), {}, type), s}
+
+    # A constant of `type` and `shape` on `s`: one `full` where a double holds the value,
+    # else its exact bytes (broadcast).
+    def scalar(s, value, {kind, _} = type, shape) when kind in [:u, :s] do
+      value =
+        case value do
+          v when is_integer(v) -> v
+          v when is_float(v) -> trunc(v)
+          %Complex{re: re} -> trunc(re)
+        end
+
+      if abs(value) < 9_007_199_254_740_992 and shape != {} do
+        N.full(s, shape, value, type)
+      else
+        bin = Emily.Codec.pack([value], type)
+        x = N.from_binary(s, bin, {}, type)
+        if shape == {}, do: x, else: N.broadcast_to(s, x, shape)
+      end
+    end
+
+    def scalar(s, value, {:c, _} = type, shape) do
+      value =
+        case value do
+          %Complex{} -> value
+          v -> Complex.new(v, 0.0)
+        end
+
+      x = N.from_binary(s, Emily.Codec.pack([value], type), {}, type)
+      if shape == {}, do: x, else: N.broadcast_to(s, x, shape)
+    end
+
+    def scalar(s, value, type, shape) do
+      value =
+        case value do
+          %Complex{re: re} -> re
+          v -> v
+        end
+
+      if shape == {} do
+        N.from_binary(s, Emily.Codec.pack([value], type), {}, type)
+      else
+        N.full(s, shape, value, type)
+      end
+    end
+  end
+end
