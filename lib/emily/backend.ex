@@ -594,12 +594,12 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, opts, fun) do
       case traced(fun, t.type, acc.type) do
-        {reduce, _window, combine} ->
+        {_reduce, _window, _combine} = ops ->
           s = stream([t, acc], type)
+          [x, acc] = [{ref(t, s), t.type}, {ref(acc, s), acc.type}]
           axes = reduce_axes(t, opts[:axes])
-          x = apply(N, reduce, [s, ref(t, s, type), axes, opts[:keep_axes] || false])
-          x = apply(N, combine, [s, N.astype(s, x, type), ref(acc, s, type)])
-          wrap(x, out, s)
+          {y, _} = Compose.reduce({Eager, s}, ops, x, acc, axes, opts[:keep_axes] || false, type)
+          wrap(y, out, s)
 
         nil ->
           fallback(:reduce, [out, t, acc, opts, fun])
@@ -608,17 +608,12 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_window_reduce(%T{type: type} = out, %T{} = t, %T{} = acc, window, opts, fun) do
       case traced(fun, t.type, acc.type) do
-        {_reduce, op, combine} ->
-          # (Nx pads with the accumulator, in the two types merged.)
-          padded = Nx.Type.merge(t.type, acc.type)
-          s = stream([t, acc], padded)
-          init = ref(acc, s, padded)
-          {lo, hi} = Enum.unzip(opts[:padding])
-          zeros = List.duplicate(0, tuple_size(window))
-          x = N.pad(s, ref(t, s, padded), init, lo, hi, zeros)
-          args = [Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
-          x = apply(N, op, [s, x | args])
-          wrap(N.astype(s, apply(N, combine, [s, x, init]), type), out, s)
+        {_reduce, _window, _combine} = ops ->
+          # (On the stream for the type Nx pads in: the two types merged.)
+          s = stream([t, acc], Nx.Type.merge(t.type, acc.type))
+          [x, acc] = [{ref(t, s), t.type}, {ref(acc, s), acc.type}]
+          {y, _} = Compose.window_reduce({Eager, s}, ops, x, acc, window, opts, type)
+          wrap(y, out, s)
 
         nil ->
           fallback(:window_reduce, [out, t, acc, window, opts, fun])
@@ -838,37 +833,14 @@ if Code.ensure_loaded?(Nx) do
     defp n_window_scatter_min(out, t, source, init, window, opts),
       do: window_scatter(:window_scatter_min, out, t, source, init, window, opts)
 
-    # Nx pads the tensor with the init value, and a padded place can win a window (its
-    # update is then dropped); the native op never selects its own padding. So the
-    # tensor is padded here, as Nx pads it, and the result cropped back.
+    # (Compose.window_scatter/9.)
     defp window_scatter(op, %T{type: type} = out, t, source, init, window, opts) do
       s = stream([t, source, init], type)
-      rank = tuple_size(window)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      zeros = List.duplicate(0, rank)
-      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
-      pad_type = window_scatter_pad_type(t.type, init.type)
-
-      x =
-        if padded?,
-          do: N.pad(s, ref(t, s, pad_type), ref(init, s, pad_type), lo, hi, zeros),
-          else: ref(t, s)
-
-      args = [s, x, ref(source, s, type), ref(init, s, type), Tuple.to_list(window)]
-      y = apply(N, op, args ++ [opts[:strides], zeros, zeros])
-      stops = Enum.zip_with(lo, Tuple.to_list(t.shape), &(&1 + &2))
-      y = if padded?, do: N.slice(s, y, lo, stops, List.duplicate(1, rank)), else: y
+      [x, source, init] = Enum.map([t, source, init], &{ref(&1, s), &1.type})
+      b = {Eager, s}
+      {y, _} = Compose.window_scatter(b, op, x, source, init, window, opts, t.shape, type)
       wrap(y, out, s)
     end
-
-    @doc false
-    # The type a window scatter pads its tensor in (with the init value, as Nx pads it;
-    # Emily.Compiler's native path pads the same way): an integer tensor with a float
-    # init value compares in floating point.
-    def window_scatter_pad_type({k, _} = type, {f, _}) when k in [:u, :s] and f in [:f, :bf],
-      do: Nx.Type.merge_number(type, 0.0)
-
-    def window_scatter_pad_type(type, _init_type), do: type
 
     # MLX convolves real types only; a complex convolution is four real ones (it is
     # bilinear, and Nx's does not conjugate the kernel).

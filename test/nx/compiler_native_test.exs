@@ -234,12 +234,13 @@ if Code.ensure_loaded?(Nx) do
 
     defn(cnn_grad(params, x, tokens), do: grad(params, &cnn_loss(&1, x, tokens)))
 
-    # Nx.reduce and Nx.window_reduce with one Nx op for a function (either order).
+    # Nx.reduce and Nx.window_reduce with one Nx op for a function (either order), the
+    # accumulators ones that change the results.
     defn folds(x) do
-      {Nx.reduce(x, 0, [axes: [1]], &Nx.add/2), Nx.reduce(x, 1, fn a, b -> b * a end),
+      {Nx.reduce(x, 10, [axes: [1]], &Nx.add/2), Nx.reduce(x, 2, fn a, b -> b * a end),
        Nx.reduce(x, -10, [axes: [0], keep_axes: true], &Nx.max/2),
        Nx.window_reduce(x, 5, {2, 2}, [padding: :same], &Nx.min/2),
-       Nx.window_reduce(x, 0, {1, 2}, [strides: [1, 2]], fn a, b -> a + b end)}
+       Nx.window_reduce(x, 3, {1, 2}, [strides: [1, 2]], fn a, b -> a + b end)}
     end
 
     defn(other_fold(x), do: Nx.reduce(x, 0, fn a, b -> a + b * 2 end))

@@ -118,6 +118,77 @@ if Code.ensure_loaded?(Nx) do
       op(b, :where, [small, zero, x])
     end
 
+    # `x` (a `{value, type}`) as `to`: MLX's cast where the types differ, the cast both
+    # paths apply to an op's operands.
+    def operand(b, {x, to}, to), do: {x, b}
+    def operand(b, {x, _from}, to), do: op(b, :astype, [x, to])
+
+    # Nx's `reduce` whose function is one op of its two arguments (`ops`, from
+    # Emily.Backend.Ops.reduce_funs/0): MLX's reduction over `axes`, combined with the
+    # accumulator. `x` and `acc` are `{value, type}`.
+    def reduce(b, {reduce, _window, combine}, x, acc, axes, keep_axes, type) do
+      {x, b} = operand(b, x, type)
+      {y, b} = op(b, reduce, [x, axes, keep_axes])
+      {y, b} = op(b, :astype, [y, type])
+      {acc, b} = operand(b, acc, type)
+      op(b, combine, [y, acc])
+    end
+
+    # The same over windows: the tensor padded with the accumulator (in the two types
+    # merged, as Nx pads), MLX's window reduction, combined with the accumulator.
+    def window_reduce(b, {_reduce, window_op, combine}, x, acc, window, opts, type) do
+      padded = Nx.Type.merge(elem(x, 1), elem(acc, 1))
+      {lo, hi} = Enum.unzip(opts[:padding])
+      zeros = List.duplicate(0, tuple_size(window))
+      {init, b} = operand(b, acc, padded)
+      {x, b} = operand(b, x, padded)
+      {x, b} = op(b, :pad, [x, init, lo, hi, zeros])
+      args = [x, Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
+      {y, b} = op(b, window_op, args)
+      {y, b} = op(b, combine, [y, init])
+      op(b, :astype, [y, type])
+    end
+
+    # `window_scatter_max` and `_min` (`scatter`) of `x` of `shape`: Nx pads the tensor
+    # with the init value, and a padded place can win a window (its update then dropped),
+    # while MLX's op never selects its own padding; so the tensor is padded as Nx pads it
+    # and the result cropped back. `x`, `source` and `init` are `{value, type}`.
+    def window_scatter(b, scatter, x, source, init, window, opts, shape, type) do
+      rank = tuple_size(window)
+      {lo, hi} = Enum.unzip(opts[:padding])
+      zeros = List.duplicate(0, rank)
+      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
+
+      {x, b} =
+        if padded? do
+          pad_type = window_scatter_pad_type(elem(x, 1), elem(init, 1))
+          {x, b} = operand(b, x, pad_type)
+          {value, b} = operand(b, init, pad_type)
+          op(b, :pad, [x, value, lo, hi, zeros])
+        else
+          {elem(x, 0), b}
+        end
+
+      {source, b} = operand(b, source, type)
+      {init, b} = operand(b, init, type)
+      args = [x, source, init, Tuple.to_list(window), opts[:strides], zeros, zeros]
+      {y, b} = op(b, scatter, args)
+
+      if padded? do
+        stops = Enum.zip_with(lo, Tuple.to_list(shape), &(&1 + &2))
+        op(b, :slice, [y, lo, stops, List.duplicate(1, rank)])
+      else
+        {y, b}
+      end
+    end
+
+    # The type a window scatter pads its tensor in: an integer tensor with a float init
+    # value compares in floating point.
+    defp window_scatter_pad_type({k, _} = type, {f, _}) when k in [:u, :s] and f in [:f, :bf],
+      do: Nx.Type.merge_number(type, 0.0)
+
+    defp window_scatter_pad_type(type, _init_type), do: type
+
     # The polynomial of `coefficients` (highest power first) at `x`, in f64.
     defp horner(b, [first | rest], x) do
       Enum.reduce(rest, scalar(b, first, {:f, 64}), fn coefficient, {acc, b} ->

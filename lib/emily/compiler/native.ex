@@ -400,6 +400,10 @@ if Code.ensure_loaded?(Nx) do
     def axes(_x, axes), do: axes
 
     @doc false
+    # The slot and lowering state of an Emily.Backend.Compose composition's result.
+    def composed({slot, {_builder, st}}), do: {slot, st}
+
+    @doc false
     def all_axes(shape), do: Enum.to_list(0..(tuple_size(shape) - 1)//1)
 
     @doc false

@@ -9,10 +9,19 @@ if Code.ensure_loaded?(Nx) do
 
     alias Nx.Defn.Expr
     alias Nx.Tensor, as: T
-    alias Emily.Compiler.Native.Control
+    alias Emily.Backend.Compose
+    alias Emily.Compiler.Native.{Control, Ops}
 
     import Emily.Compiler.Native,
-      only: [lower_node: 2, emit: 3, operand: 3, constant_value: 2, axes: 2, all_axes: 1]
+      only: [
+        lower_node: 2,
+        emit: 3,
+        operand: 3,
+        constant_value: 2,
+        axes: 2,
+        all_axes: 1,
+        composed: 1
+      ]
 
     @arg_reduce Emily.Backend.Ops.arg_reduce()
     @scatter Emily.Backend.Ops.scatter()
@@ -66,64 +75,27 @@ if Code.ensure_loaded?(Nx) do
       emit(st, op, [x, Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]])
     end
 
-    # A reduce whose function is one Nx op on its two arguments, as Emily.Backend
-    # computes it: MLX's reduction, combined with the accumulator.
+    # A reduce whose function is one Nx op on its two arguments, and the same over
+    # windows, as Emily.Backend computes them (Compose.reduce/7, Compose.window_reduce/7).
     def lower_op(:reduce, [x, acc, opts, fun], %T{type: type}, st) do
-      {reduce, _window, combine} = reduce_fun(fun, :reduce)
-      {slot, st} = operand(x, type, st)
-      {y, st} = emit(st, reduce, [slot, axes(x, opts[:axes]), opts[:keep_axes] || false])
-      {y, st} = emit(st, :astype, [y, type])
-      {a, st} = operand(acc, type, st)
-      emit(st, combine, [y, a])
+      ops = reduce_fun(fun, :reduce)
+      axes = axes(x, opts[:axes])
+      {[x, acc], st} = typed([x, acc], st)
+      composed(Compose.reduce({Ops, st}, ops, x, acc, axes, opts[:keep_axes] || false, type))
     end
 
-    # The same over windows: the tensor padded with the accumulator (in the two types
-    # merged, as Nx pads), MLX's window reduction, combined with the accumulator.
     def lower_op(:window_reduce, [x, acc, window, opts, fun], %T{type: type}, st) do
-      {_reduce, op, combine} = reduce_fun(fun, :window_reduce)
-      padded = Nx.Type.merge(x.type, acc.type)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      zeros = List.duplicate(0, tuple_size(window))
-      {init, st} = operand(acc, padded, st)
-      {slot, st} = operand(x, padded, st)
-      {slot, st} = emit(st, :pad, [slot, init, lo, hi, zeros])
-      args = [slot, Tuple.to_list(window), opts[:strides], zeros, zeros, opts[:window_dilations]]
-      {y, st} = emit(st, op, args)
-      {y, st} = emit(st, combine, [y, init])
-      emit(st, :astype, [y, type])
+      ops = reduce_fun(fun, :window_reduce)
+      {[x, acc], st} = typed([x, acc], st)
+      composed(Compose.window_reduce({Ops, st}, ops, x, acc, window, opts, type))
     end
 
-    # As Emily.Backend's: the tensor padded as Nx pads it (a padded place can win a
-    # window, its update then dropped; the op never selects its own padding), the
-    # result cropped back.
+    # As Emily.Backend's (Compose.window_scatter/9).
     def lower_op(op, [x, source, init, window, opts], %T{type: type}, st)
         when op in [:window_scatter_max, :window_scatter_min] do
-      rank = tuple_size(window)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      zeros = List.duplicate(0, rank)
-      padded? = Enum.any?(opts[:padding], &(&1 != {0, 0}))
-
-      {slot, st} =
-        if padded? do
-          pad_type = Emily.Backend.window_scatter_pad_type(x.type, init.type)
-          {slot, st} = operand(x, pad_type, st)
-          {value, st} = operand(init, pad_type, st)
-          emit(st, :pad, [slot, value, lo, hi, zeros])
-        else
-          lower_node(x, st)
-        end
-
-      {source, st} = operand(source, type, st)
-      {init, st} = operand(init, type, st)
-      args = [slot, source, init, Tuple.to_list(window), opts[:strides], zeros, zeros]
-      {y, st} = emit(st, op, args)
-
-      if padded? do
-        stops = Enum.zip_with(lo, Tuple.to_list(x.shape), &(&1 + &2))
-        emit(st, :slice, [y, lo, stops, List.duplicate(1, rank)])
-      else
-        {y, st}
-      end
+      {[typed_x, source, init], st} = typed([x, source, init], st)
+      b = {Ops, st}
+      composed(Compose.window_scatter(b, op, typed_x, source, init, window, opts, x.shape, type))
     end
 
     # (Emily.Backend computes a complex convolution as four real ones: not lowered.)
@@ -217,6 +189,14 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp id(%T{data: %Expr{id: id}}), do: id
+
+    # Each node's slot with its type, for Emily.Backend.Compose.
+    defp typed(nodes, st) do
+      Enum.map_reduce(nodes, st, fn %T{type: type} = t, st ->
+        {slot, st} = lower_node(t, st)
+        {{slot, type}, st}
+      end)
+    end
 
     # Start indices as numbers, where each is a number or a tensor computed from
     # constants alone (an unrolled loop's counter): computed now. {:dynamic, st} where

@@ -15,7 +15,7 @@ if Code.ensure_loaded?(Nx) do
     @behaviour Compose
 
     import Emily.Compiler.Native,
-      only: [lower_node: 2, emit: 3, operand: 3, checked: 4, axes: 2]
+      only: [lower_node: 2, emit: 3, operand: 3, checked: 4, axes: 2, composed: 1]
 
     @unary Emily.Backend.Ops.unary()
     @f64_imprecise Emily.Backend.Ops.f64_imprecise()
@@ -395,8 +395,6 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def scalar(st, value, type), do: emit(st, :full, [{}, real_constant(value), type])
-
-    defp composed({slot, {__MODULE__, st}}), do: {slot, st}
 
     # An integer type's limit as a scalar; the 64-bit ones, which a double does not hold
     # exactly, from bit operations (computed once, when constants are folded).
