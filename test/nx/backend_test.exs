@@ -28,6 +28,7 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
+      @tag :non_finite
       test "constants: big integers, non-finite values and complex numbers" do
         for type <- O.int_types() do
           check(fn -> Nx.broadcast(Nx.Constants.max_finite(type), {3}) end, [])
@@ -110,6 +111,7 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
+      @tag :non_finite
       test "bitcast between types of one width" do
         pairs = [
           {{:s, 32}, {:f, 32}},
@@ -577,6 +579,7 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
+      @tag :non_finite
       test "window sum, product, max and min with strides, padding and dilations" do
         for op <- [:window_sum, :window_product, :window_max, :window_min], _ <- 1..@trials do
           shape = O.shape(1)
@@ -604,6 +607,7 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
+      @tag :non_finite
       test "sort and argsort, both directions, with ties and NaN" do
         for _ <- 1..@trials do
           shape = O.shape(1)
@@ -680,6 +684,7 @@ if Code.ensure_loaded?(Nx) do
         end
       end
 
+      @tag :non_finite
       test "cumulative ops, top_k, logical_not, all_close" do
         for op <- [:cumulative_sum, :cumulative_product, :cumulative_min, :cumulative_max],
             _ <- 1..@trials do

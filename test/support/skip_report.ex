@@ -7,7 +7,7 @@ defmodule Emily.SkipReport do
   def init(_opts), do: {:ok, %{}}
 
   def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, _}, tags: tags}}, counts) do
-    tag = Enum.find([:nx, :gpu, :soak, :fuzz], :other, &tags[&1])
+    tag = Enum.find([:nx, :gpu, :non_finite, :soak, :fuzz], :other, &tags[&1])
     {:noreply, Map.update(counts, tag, 1, &(&1 + 1))}
   end
 
@@ -23,5 +23,9 @@ defmodule Emily.SkipReport do
 
   defp reason(:nx), do: " (Nx is not loaded: run them where Nx is available, see README)"
   defp reason(:gpu), do: " (no GPU device in this MLX build)"
+
+  defp reason(:non_finite),
+    do: " (they compute NaN or infinities, which EMILY_DEBUG=nan_inf rejects by design)"
+
   defp reason(_), do: ""
 end
