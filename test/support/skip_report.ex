@@ -6,8 +6,13 @@ defmodule Emily.SkipReport do
 
   def init(_opts), do: {:ok, %{}}
 
-  def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, _}, tags: tags}}, counts) do
-    tag = Enum.find([:nx, :gpu, :non_finite, :soak, :fuzz], :other, &tags[&1])
+  # (ExUnit names the filter that excluded a test: "due to nx filter".)
+  def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, why}, tags: tags}}, counts) do
+    tag =
+      Enum.find([:nx, :gpu, :non_finite, :soak, :fuzz], :other, fn tag ->
+        tags[tag] && why =~ "due to #{tag} filter"
+      end)
+
     {:noreply, Map.update(counts, tag, 1, &(&1 + 1))}
   end
 
