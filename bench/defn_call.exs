@@ -25,26 +25,10 @@ unless Code.ensure_loaded?(Nx) do
   raise "bench/defn_call.exs needs Nx (see the comment at the top)"
 end
 
+Code.require_file("support/defn_models.exs", __DIR__)
+
 defmodule Bench.DefnCall do
-  import Nx.Defn
-
-  defn mlp(x, {w1, b1, w2, b2, w3, b3}) do
-    x
-    |> Nx.dot(w1)
-    |> Nx.add(b1)
-    |> Nx.max(0)
-    |> Nx.dot(w2)
-    |> Nx.add(b2)
-    |> Nx.max(0)
-    |> Nx.dot(w3)
-    |> Nx.add(b3)
-    |> softmax()
-  end
-
-  defn softmax(x) do
-    e = Nx.exp(x - Nx.reduce_max(x, axes: [-1], keep_axes: true))
-    e / Nx.sum(e, axes: [-1], keep_axes: true)
-  end
+  alias Bench.Defn.Models
 
   defmodule Instant do
     @moduledoc false
@@ -63,15 +47,15 @@ defmodule Bench.DefnCall do
   # The rows for `args` (Emily tensors): `{label, fun}`.
   def rows(args) do
     {instrs, n, outputs, extras, _template} =
-      Emily.Compiler.Native.instructions_of(&mlp/2, args)
+      Emily.Compiler.Native.instructions_of(&Models.mlp/2, args)
 
     program = Emily.Program.new(instrs, inputs: n, outputs: outputs)
     inputs = Enum.map(Nx.Defn.Composite.flatten_list(args), & &1.data.ref) ++ extras
     s = Emily.Stream.current()
     [x, params] = args
-    instant = Nx.Defn.jit(&mlp/2, compiler: Instant)
-    compiled = Nx.Defn.compile(&mlp/2, args, compiler: Emily.Compiler)
-    jit = Nx.Defn.jit(&mlp/2, compiler: Emily.Compiler)
+    instant = Nx.Defn.jit(&Models.mlp/2, compiler: Instant)
+    compiled = Nx.Defn.compile(&Models.mlp/2, args, compiler: Emily.Compiler)
+    jit = Nx.Defn.jit(&Models.mlp/2, compiler: Emily.Compiler)
 
     raw = fn ->
       [out] = Emily.Program.eval(program, inputs, stream: s)
