@@ -27,6 +27,20 @@ void install_exit_guard() {
     // before their destructors, and it lets the running work finish.
     (void)mx::get_active_memory();
     (void)mx::scheduler::scheduler();
+    // The same holds for what MLX's CUDA backend makes on first use: a CPU stream signals
+    // its events through a CUDA stream held in a function-local static, made by the first
+    // signal and destroyed before an older handler runs. A CPU evaluation still going at
+    // exit then launched its signal into the destroyed stream (SIGSEGV in cuLaunchKernel,
+    // after every test had passed, in about one run of the program tests in ten). An
+    // evaluation on a GPU stream and a synchronized one on a CPU stream, each of its own,
+    // make those first.
+    if (mx::is_available(mx::Device::gpu)) {
+      for (auto d : {mx::Device::gpu, mx::Device::cpu}) {
+        auto s = mx::new_stream(d);
+        mx::eval(mx::zeros({1}, mx::float32, s));
+        mx::synchronize(s);
+      }
+    }
     std::atexit([] {
       quiesce_workers();
       // Kernels of an async_eval may still run on MLX's CPU stream threads. (This is the
