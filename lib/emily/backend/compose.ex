@@ -28,9 +28,9 @@ if Code.ensure_loaded?(Nx) do
     @erf_inv_large [-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844] ++
                      [0.00573950773, -0.0076224613, 0.00943887047, 1.00167406, 2.83297682]
 
-    def op({mod, state}, name, args), do: rebuild(mod, mod.op(state, name, args))
+    defp op({mod, state}, name, args), do: rebuild(mod, mod.op(state, name, args))
 
-    def scalar({mod, state}, value, type), do: rebuild(mod, mod.scalar(state, value, type))
+    defp scalar({mod, state}, value, type), do: rebuild(mod, mod.scalar(state, value, type))
 
     defp limit({mod, state}, which, type), do: rebuild(mod, mod.limit(state, which, type))
 
