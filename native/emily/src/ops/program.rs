@@ -395,7 +395,17 @@ struct Fit {
 /// of 20,000, a 2 MiB thread's).
 const COMPILE_STACK_PER_LEVEL: usize = 512;
 
+/// Whether the calling thread's stack holds mx::compile's tracing of a graph `depth` deep.
+fn stack_holds(depth: usize) -> bool {
+    depth.saturating_mul(COMPILE_STACK_PER_LEVEL) <= ffi::stack_left()
+}
+
 impl ProgramResource {
+    /// What the runs so far have learned of the program for inputs of `signature`.
+    fn fit(&self, signature: u64) -> Fit {
+        self.fits.lock().unwrap().get(&signature).copied().unwrap_or_default()
+    }
+
     /// Whether the calling thread's stack holds mx::compile's tracing of the program on
     /// inputs like `v` (whose signature is `signature`): its graph's depth, measured once
     /// per signature, times `COMPILE_STACK_PER_LEVEL`, against the stack left here.
@@ -405,8 +415,7 @@ impl ProgramResource {
         signature: u64,
         device: Device,
     ) -> Result<bool, cxx::Exception> {
-        let known = self.fits.lock().unwrap().get(&signature).and_then(|f| f.depth);
-        let depth = match known {
+        let depth = match self.fit(signature).depth {
             Some(depth) => depth,
             None => {
                 let depth = ffi::program_graph_depth(&self.spec.0, v, device as i32)?;
@@ -414,7 +423,7 @@ impl ProgramResource {
                 depth
             }
         };
-        Ok(depth.saturating_mul(COMPILE_STACK_PER_LEVEL) <= ffi::stack_left())
+        Ok(stack_holds(depth))
     }
 
     fn compiled(&self, device: Device) -> Result<Arc<Compiled>, cxx::Exception> {
@@ -450,10 +459,14 @@ impl ProgramResource {
 /// run that compiled it, which comes first), or when its last hand-over took
 /// at most `HANDOVER_BUDGET` (`ASYNC_WAIT` if it was this NIF's). A program far longer
 /// than the node bound is not built to be counted (the count runs on a normal scheduler
-/// too): an instruction that adds no node is rare. Returns what is known of it and
-/// whether it is small, or `None` for the dirty scheduler.
-fn async_fit(program: &ProgramResource, v: &ffi::ArrayVec, signature: u64) -> Option<(Fit, bool)> {
-    let known = program.fits.lock().unwrap().get(&signature).copied().unwrap_or_default();
+/// too): an instruction that adds no node is rare. `known` is what is known of it; returns
+/// that, counted, and whether it is small, or `None` for the dirty scheduler.
+fn async_fit(
+    program: &ProgramResource,
+    known: Fit,
+    v: &ffi::ArrayVec,
+    signature: u64,
+) -> Option<(Fit, bool)> {
     // An entry made by a dirty run (its hand-over) may not be counted yet.
     let (fit, small) = match known.small {
         Some(small) => (known, small),
@@ -532,22 +545,24 @@ fn program_eval_async<'a>(
     };
     let v = crate::bridge::array_vec(evaluated.iter().map(|a| &*a.0));
     let signature = ffi::inputs_signature(&v);
+    let known = program.fit(signature);
     // A compiled program, once a dirty run has compiled it for these inputs' shapes: its
     // fused kernels exist then, and this thread's first call only traces it (on the
-    // CPU, MLX's kernel library is process-wide; its compile cache, per thread).
+    // CPU, MLX's kernel library is process-wide; its compile cache, per thread). That
+    // run measured its depth, which this thread's stack must hold.
     let here = match program.compile {
         false => None,
         // (Of at most `COMPILED_ASYNC_MAX_INSTRS` instructions: a thread's first call
         // traces the program, which holds the scheduler meanwhile.)
         true if program.n_instrs <= COMPILED_ASYNC_MAX_INSTRS
-            && program.fits.lock().unwrap().get(&signature).is_some_and(|f| f.compiled)
-            && program.compiles_here(&v, signature, Device::Cpu).unwrap_or(false) =>
+            && known.compiled
+            && known.depth.is_some_and(stack_holds) =>
         {
             Some(program.compiled(Device::Cpu).map_err(|e| crate::error::raise(&mlx_error(OP, e, &[])))?)
         }
         true => return Ok(crate::atoms::dirty().encode(env)),
     };
-    let (fit, small) = match mlx_idle().then(|| async_fit(&program, &v, signature)).flatten() {
+    let (fit, small) = match mlx_idle().then(|| async_fit(&program, known, &v, signature)).flatten() {
         Some(found) => found,
         None => return Ok(crate::atoms::dirty().encode(env)),
     };
