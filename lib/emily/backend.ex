@@ -214,31 +214,12 @@ if Code.ensure_loaded?(Nx) do
     def iota(%T{type: type, shape: shape} = out, axis, opts) do
       if Storage.native?(type) do
         s = creation_stream(opts, type)
-
-        ref =
-          case axis do
-            nil ->
-              s |> arange(Nx.size(shape), type) |> reshape(s, shape)
-
-            axis ->
-              dim = elem(shape, axis)
-              ones = 1 |> Tuple.duplicate(tuple_size(shape)) |> put_elem(axis, dim)
-              s |> arange(dim, type) |> reshape(s, ones) |> broadcast_to(s, shape)
-          end
-
+        {ref, _} = Compose.iota({Eager, s}, shape, axis, type)
         wrap(ref, out, s)
       else
         creation_fallback(:iota, [out, axis, []], opts, type)
       end
     end
-
-    # MLX's arange steps in the target dtype; half precision loses integers early, so
-    # count in s32 and round once, as Nx does.
-    defp arange(s, n, {kind, 16} = type) when kind in [:f, :bf],
-      do: N.astype(s, N.arange(s, 0, n, 1, {:s, 32}), type)
-
-    defp arange(s, n, {:c, _} = type), do: N.astype(s, N.arange(s, 0, n, 1, {:f, 32}), type)
-    defp arange(s, n, type), do: N.arange(s, 0, n, 1, type)
 
     defp creation_fallback(op, args, opts, type) do
       s = creation_stream(opts, type)
@@ -517,16 +498,14 @@ if Code.ensure_loaded?(Nx) do
     defp n_reduce_max(out, t, opts), do: reduction(:max, out, t, opts)
     defp n_reduce_min(out, t, opts), do: reduction(:min, out, t, opts)
 
-    defp n_all(%T{type: type} = out, %T{} = t, opts) do
-      s = stream([t], type)
-      x = N.all(s, ref(t, s), reduce_axes(t, opts[:axes]), opts[:keep_axes] || false)
-      wrap(N.astype(s, x, type), out, s)
-    end
+    defp n_all(out, t, opts), do: bool_reduction(:all, out, t, opts)
+    defp n_any(out, t, opts), do: bool_reduction(:any, out, t, opts)
 
-    defp n_any(%T{type: type} = out, %T{} = t, opts) do
+    defp bool_reduction(op, %T{type: type} = out, %T{} = t, opts) do
       s = stream([t], type)
-      x = N.any(s, ref(t, s), reduce_axes(t, opts[:axes]), opts[:keep_axes] || false)
-      wrap(N.astype(s, x, type), out, s)
+      args = [ref(t, s), reduce_axes(t, opts[:axes]), opts[:keep_axes] || false]
+      {x, _} = Compose.op_as({Eager, s}, op, args, type)
+      wrap(x, out, s)
     end
 
     defp reduction(op, %T{type: type} = out, %T{} = t, opts) do
@@ -652,9 +631,8 @@ if Code.ensure_loaded?(Nx) do
     for {name, mlx} <- @compare do
       defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
         s = stream([l, r], type)
-        common = Nx.Type.merge(l.type, r.type)
-        x = N.unquote(mlx)(s, ref(l, s, common), ref(r, s, common))
-        wrap(N.astype(s, x, type), out, s)
+        {x, _} = Compose.compare({Eager, s}, unquote(mlx), typed(l, s), typed(r, s), type)
+        wrap(x, out, s)
       end
     end
 
@@ -665,8 +643,8 @@ if Code.ensure_loaded?(Nx) do
         ] do
       defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
         s = stream([l, r], type)
-        x = N.unquote(mlx)(s, N.astype(s, ref(l, s), :bool), N.astype(s, ref(r, s), :bool))
-        wrap(N.astype(s, x, type), out, s)
+        {x, _} = Compose.logical({Eager, s}, unquote(mlx), [typed(l, s), typed(r, s)], type)
+        wrap(x, out, s)
       end
     end
 
@@ -750,13 +728,10 @@ if Code.ensure_loaded?(Nx) do
     end
 
     for {name, mlx} <- [is_nan: :isnan, is_infinity: :isinf] do
-      defp unquote(:"n_#{name}")(%T{type: type, shape: shape} = out, %T{type: in_type} = t) do
+      defp unquote(:"n_#{name}")(%T{type: type, shape: shape} = out, %T{} = t) do
         s = stream([t], type)
-
-        case in_type do
-          {k, _} when k in [:u, :s] -> wrap(scalar(s, 0, type, shape), out, s)
-          _ -> wrap(N.astype(s, N.unquote(mlx)(s, ref(t, s)), type), out, s)
-        end
+        {x, _} = Compose.classify({Eager, s}, unquote(mlx), typed(t, s), type, shape)
+        wrap(x, out, s)
       end
     end
 
@@ -1026,14 +1001,15 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_block(%Nx.Block.LogicalNot{}, %T{type: type} = out, [t]) do
       s = stream([t], type)
-      x = N.logical_not(s, N.astype(s, ref(t, s), :bool))
-      wrap(N.astype(s, x, type), out, s)
+      {x, _} = Compose.logical({Eager, s}, :logical_not, [typed(t, s)], type)
+      wrap(x, out, s)
     end
 
     defp n_block(%Nx.Block.AllClose{} = o, %T{type: type} = out, [a, b]) do
       s = stream([a, b], a.type)
-      x = N.allclose(s, ref(a, s), ref(b, s), o.rtol, o.atol, !!o.equal_nan)
-      wrap(N.astype(s, x, type), out, s)
+      args = [ref(a, s), ref(b, s), o.rtol, o.atol, !!o.equal_nan]
+      {x, _} = Compose.op_as({Eager, s}, :allclose, args, type)
+      wrap(x, out, s)
     end
 
     defp n_block(%Nx.Block.Phase{}, %T{type: type} = out, [t]) do
@@ -1067,9 +1043,9 @@ if Code.ensure_loaded?(Nx) do
     defp n_block(%struct{axis: axis, reverse: reverse}, %T{type: type} = out, [t])
          when is_map_key(@scans, struct) do
       s = stream([t], type)
-      x = apply(N, Map.fetch!(@scans, struct), [s, ref(t, s, type), axis, reverse, true])
-      # (MLX keeps 8/16-bit integer types in its scans; Nx's out says the type.)
-      wrap(N.astype(s, x, type), out, s)
+      scan = Map.fetch!(@scans, struct)
+      {x, _} = Compose.scan({Eager, s}, scan, typed(t, s), axis, reverse, type)
+      wrap(x, out, s)
     end
 
     defp n_block(%Nx.Block.FFT2{lengths: n, axes: axes, eps: eps}, out, [t]),
@@ -1221,6 +1197,9 @@ if Code.ensure_loaded?(Nx) do
     # apply to `as_type/2`).
     defp ref(%T{type: type} = t, s, type), do: ref(t, s)
     defp ref(%T{} = t, s, type), do: N.astype(s, ref(t, s), type)
+
+    # `t`'s array on `s` with its type, as Emily.Backend.Compose takes its values.
+    defp typed(%T{type: type} = t, s), do: {ref(t, s), type}
 
     defp wrap(ref, %T{} = out, s), do: %{out | data: %B{ref: check(ref, out), stream: s}}
 

@@ -49,6 +49,18 @@ if Code.ensure_loaded?(Nx) do
        Nx.as_type(a, :u64), Nx.as_type(Nx.as_type(y, :bf16), :s16)}
     end
 
+    # Counting in each kind of type: 16-bit floats count in s32, complex in f32.
+    defn iotas(x) do
+      {Nx.iota({2, 3}, type: :bf16) + x, Nx.iota({3, 2}, axis: 0, type: :c64),
+       Nx.iota({4}, type: :u8), Nx.iota({}, type: :f16)}
+    end
+
+    # No integer is NaN or infinite; a complex number is where either part is.
+    defn classified(x, i, z) do
+      {Nx.is_nan(x), Nx.is_infinity(x), Nx.is_nan(i), Nx.is_infinity(i), Nx.is_nan(z),
+       Nx.is_infinity(z), Nx.logical_not(Nx.is_nan(x))}
+    end
+
     # From complex: the real part (to an integer, as a float converts).
     defn(from_complex(z), do: {Nx.as_type(z, :f32), Nx.as_type(z, :s32), Nx.as_type(z, :u8)})
 
@@ -337,6 +349,24 @@ if Code.ensure_loaded?(Nx) do
 
     test "iota (a causal mask)" do
       check_paths(&masked/1, [O.tensor({4, 4}, {:f, 32})])
+    end
+
+    test "iota of 16-bit float, complex and integer types" do
+      check_paths(&iotas/1, [O.tensor({2, 3}, {:bf, 16})])
+    end
+
+    test "is_nan and is_infinity of float, integer and complex tensors" do
+      x = Nx.tensor([1.0, :nan, :infinity, :neg_infinity, -0.0])
+      i = Nx.tensor([[0, -1], [2_147_483_647, 3]], type: :s32)
+
+      z =
+        Nx.complex(Nx.tensor([1.0, :nan, 2.0, :infinity]), Nx.tensor([:infinity, 0.0, 1.0, 3.0]))
+
+      check_paths(&classified/3, [x, i, z])
+
+      [nan, inf | _] = Tuple.to_list(hd(native_results(&classified/3, [x, i, z])))
+      assert Nx.to_flat_list(nan) == [0, 1, 0, 0, 0]
+      assert Nx.to_flat_list(inf) == [0, 0, 1, 1, 0]
     end
 
     test "f16 and integer inputs" do

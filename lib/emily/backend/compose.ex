@@ -123,6 +123,65 @@ if Code.ensure_loaded?(Nx) do
     def operand(b, {x, to}, to), do: {x, b}
     def operand(b, {x, _from}, to), do: op(b, :astype, [x, to])
 
+    # `op` (the op table's) on `args`, cast to Nx's `type`: MLX answers comparisons and
+    # logical ops in bool (Nx in u8), and keeps 8- and 16-bit integers in its scans.
+    def op_as(b, name, args, type) do
+      {y, b} = op(b, name, args)
+      op(b, :astype, [y, type])
+    end
+
+    # A comparison (`name`, the op table's) of `l` and `r` in their two types merged.
+    def compare(b, name, {_, lt} = l, {_, rt} = r, type) do
+      common = Nx.Type.merge(lt, rt)
+      {l, b} = operand(b, l, common)
+      {r, b} = operand(b, r, common)
+      op_as(b, name, [l, r], type)
+    end
+
+    # A logical op (`name`, the op table's) of its `args` read as booleans.
+    def logical(b, name, args, type) do
+      {args, b} = Enum.map_reduce(args, b, &operand(&2, &1, :bool))
+      op_as(b, name, args, type)
+    end
+
+    # `is_nan` or `is_infinity` (`name`: MLX's isnan or isinf) of `x` as `type` and
+    # `shape`: no integer is either.
+    def classify(b, _name, {_x, {k, _}}, type, shape) when k in [:u, :s],
+      do: op(b, :full, [shape, 0, type])
+
+    def classify(b, name, {x, _}, type, _shape), do: op_as(b, name, [x], type)
+
+    # A cumulative op (`name`, the op table's scan) of `x` along `axis`, inclusive, in
+    # and as `type`.
+    def scan(b, name, x, axis, reverse, type) do
+      {x, b} = operand(b, x, type)
+      op_as(b, name, [x, axis, reverse, true], type)
+    end
+
+    # Nx's `iota` of `type` and `shape`, counting along `axis` (or, with nil, through the
+    # whole shape). MLX's arange steps in its dtype, where 16-bit floats lose integers
+    # early: they count in s32 and round once, as Nx does; complex counts in f32.
+    def iota(b, shape, axis, type) do
+      n = if axis == nil, do: Tuple.product(shape), else: elem(shape, axis)
+
+      {x, b} =
+        case type do
+          {k, 16} when k in [:f, :bf] -> count(b, n, {:s, 32}, type)
+          {:c, _} -> count(b, n, {:f, 32}, type)
+          _ -> op(b, :arange, [0, n, 1, type])
+        end
+
+      if axis == nil do
+        op(b, :reshape, [x, shape])
+      else
+        along = 1 |> Tuple.duplicate(tuple_size(shape)) |> put_elem(axis, n)
+        {x, b} = op(b, :reshape, [x, along])
+        op(b, :broadcast_to, [x, shape])
+      end
+    end
+
+    defp count(b, n, counter, type), do: op_as(b, :arange, [0, n, 1, counter], type)
+
     # Nx's `reduce` whose function is one op of its two arguments (`ops`, from
     # Emily.Backend.Ops.reduce_funs/0): MLX's reduction over `axes`, combined with the
     # accumulator. `x` and `acc` are `{value, type}`.

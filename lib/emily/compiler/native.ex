@@ -460,6 +460,15 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    # Each node's slot with its type, for Emily.Backend.Compose.
+    @doc false
+    def typed(nodes, st) do
+      Enum.map_reduce(nodes, st, fn %T{type: type} = t, st ->
+        {slot, st} = lower_node(t, st)
+        {{slot, type}, st}
+      end)
+    end
+
     # The slot of `x` cast to `type` (a plain MLX cast, as Emily.Backend's operands).
     @doc false
     def operand(%T{type: from} = x, to, st) do

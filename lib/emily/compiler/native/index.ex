@@ -17,6 +17,7 @@ if Code.ensure_loaded?(Nx) do
         lower_node: 2,
         emit: 3,
         operand: 3,
+        typed: 2,
         constant_value: 2,
         axes: 2,
         all_axes: 1,
@@ -161,12 +162,11 @@ if Code.ensure_loaded?(Nx) do
       emit(st, op, [x, i, axis])
     end
 
-    # (MLX keeps 8- and 16-bit integer types in its scans; Nx's type is the node's.)
+    # As Emily.Backend's (Compose.scan/6).
     def lower_op(:block, [%struct{axis: axis, reverse: reverse}, [x], _default, _fun], t, st)
         when is_map_key(@scan, struct) do
-      {x, st} = operand(x, t.type, st)
-      {y, st} = emit(st, Map.fetch!(@scan, struct), [x, axis, reverse, true])
-      emit(st, :astype, [y, t.type])
+      {[x], st} = typed([x], st)
+      composed(Compose.scan({Ops, st}, Map.fetch!(@scan, struct), x, axis, reverse, t.type))
     end
 
     # A take or cumulative block of another form: its default.
@@ -189,14 +189,6 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp id(%T{data: %Expr{id: id}}), do: id
-
-    # Each node's slot with its type, for Emily.Backend.Compose.
-    defp typed(nodes, st) do
-      Enum.map_reduce(nodes, st, fn %T{type: type} = t, st ->
-        {slot, st} = lower_node(t, st)
-        {{slot, type}, st}
-      end)
-    end
 
     # Start indices as numbers, where each is a number or a tensor computed from
     # constants alone (an unrolled loop's counter): computed now. {:dynamic, st} where

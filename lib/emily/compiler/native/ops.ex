@@ -15,7 +15,7 @@ if Code.ensure_loaded?(Nx) do
     @behaviour Compose
 
     import Emily.Compiler.Native,
-      only: [lower_node: 2, emit: 3, operand: 3, checked: 4, axes: 2, composed: 1]
+      only: [lower_node: 2, emit: 3, operand: 3, typed: 2, checked: 4, axes: 2, composed: 1]
 
     @unary Emily.Backend.Ops.unary()
     @f64_imprecise Emily.Backend.Ops.f64_imprecise()
@@ -26,6 +26,8 @@ if Code.ensure_loaded?(Nx) do
     @compare Emily.Backend.Ops.compare()
 
     @logical %{logical_and: :logical_and, logical_or: :logical_or, logical_xor: :not_equal}
+
+    @classify %{is_nan: :isnan, is_infinity: :isinf}
 
     @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
@@ -94,26 +96,8 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :full, [shape, real_constant(value), type])
     end
 
-    def lower_op(:iota, [axis], %T{type: type, shape: shape}, st) do
-      if match?({:c, _}, type), do: throw({:unsupported, {:iota, type}})
-      # MLX's arange has no 16-bit floats: count in f32 and cast, as Emily.Backend does.
-      count_type =
-        if match?({_, 16}, type) and elem(type, 0) in [:f, :bf], do: {:f, 32}, else: type
-
-      n = if axis == nil, do: Tuple.product(shape), else: elem(shape, axis)
-      {x, st} = emit(st, :arange, [0, n, 1, count_type])
-      {x, st} = if count_type == type, do: {x, st}, else: emit(st, :astype, [x, type])
-
-      if axis == nil do
-        emit(st, :reshape, [x, shape])
-      else
-        dims =
-          shape |> Tuple.to_list() |> Enum.with_index(fn d, i -> if i == axis, do: d, else: 1 end)
-
-        {x, st} = emit(st, :reshape, [x, List.to_tuple(dims)])
-        emit(st, :broadcast_to, [x, shape])
-      end
-    end
+    def lower_op(:iota, [axis], %T{type: type, shape: shape}, st),
+      do: composed(Compose.iota({__MODULE__, st}, shape, axis, type))
 
     # (On f64, those MLX computes with f32 accuracy run on the evaluator path, where
     # Emily.Backend computes them on Nx.BinaryBackend.)
@@ -188,11 +172,9 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    def lower_op(op, [%T{type: {k, _}} = x], %T{type: type}, st)
-        when op in [:is_nan, :is_infinity] and k in [:f, :bf] do
-      {x, st} = lower_node(x, st)
-      {y, st} = emit(st, if(op == :is_nan, do: :isnan, else: :isinf), [x])
-      emit(st, :astype, [y, type])
+    def lower_op(op, [x], %T{type: type, shape: shape}, st) when is_map_key(@classify, op) do
+      {[x], st} = typed([x], st)
+      composed(Compose.classify({__MODULE__, st}, Map.fetch!(@classify, op), x, type, shape))
     end
 
     def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@binary, op) do
@@ -202,18 +184,13 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@compare, op) do
-      common = Nx.Type.merge(l.type, r.type)
-      {l, st} = operand(l, common, st)
-      {r, st} = operand(r, common, st)
-      {y, st} = emit(st, Map.fetch!(@compare, op), [l, r])
-      emit(st, :astype, [y, type])
+      {[l, r], st} = typed([l, r], st)
+      composed(Compose.compare({__MODULE__, st}, Map.fetch!(@compare, op), l, r, type))
     end
 
     def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@logical, op) do
-      {l, st} = operand(l, :bool, st)
-      {r, st} = operand(r, :bool, st)
-      {y, st} = emit(st, Map.fetch!(@logical, op), [l, r])
-      emit(st, :astype, [y, type])
+      {args, st} = typed([l, r], st)
+      composed(Compose.logical({__MODULE__, st}, Map.fetch!(@logical, op), args, type))
     end
 
     # Nx's float to integer cast (Compose.cast/4; from complex, of the real part). A
@@ -272,8 +249,8 @@ if Code.ensure_loaded?(Nx) do
 
     def lower_op(op, [x, opts], %T{type: type}, st) when op in [:all, :any] do
       {slot, st} = lower_node(x, st)
-      {y, st} = emit(st, op, [slot, axes(x, opts[:axes]), opts[:keep_axes] || false])
-      emit(st, :astype, [y, type])
+      args = [slot, axes(x, opts[:axes]), opts[:keep_axes] || false]
+      composed(Compose.op_as({__MODULE__, st}, op, args, type))
     end
 
     def lower_op(:select, [pred, on_true, on_false], %T{type: type}, st) do
@@ -321,9 +298,8 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def lower_op(:block, [%Nx.Block.LogicalNot{}, [x], _default, _fun], t, st) do
-      {x, st} = operand(x, :bool, st)
-      {y, st} = emit(st, :logical_not, [x])
-      emit(st, :astype, [y, t.type])
+      {args, st} = typed([x], st)
+      composed(Compose.logical({__MODULE__, st}, :logical_not, args, t.type))
     end
 
     # Linear algebra as Emily.Backend computes it, LAPACK through MLX (on the CPU only:
