@@ -46,7 +46,8 @@ defmodule Bench.Defn do
     {List.to_tuple(list), key}
   end
 
-  def diff(a, b) do
+  # The largest difference between two results (every output of a tuple).
+  def diff(%Nx.Tensor{} = a, %Nx.Tensor{} = b) do
     a
     |> Nx.backend_copy(Nx.BinaryBackend)
     |> Nx.subtract(Nx.backend_copy(b, Nx.BinaryBackend))
@@ -55,6 +56,17 @@ defmodule Bench.Defn do
     |> Nx.as_type(:f64)
     |> Nx.to_number()
   end
+
+  def diff(a, b) do
+    flat = &Nx.Defn.Composite.flatten_list([&1])
+    Enum.zip_with(flat.(a), flat.(b), &diff/2) |> Enum.max()
+  end
+
+  # Reads a result back to the host (each output of a tuple).
+  def read(%Nx.Tensor{} = t), do: Nx.to_binary(t)
+
+  def read(outputs),
+    do: outputs |> then(&Nx.Defn.Composite.flatten_list([&1])) |> Enum.each(&Nx.to_binary/1)
 
   # Python literals, for the dump bench/defn.py reads.
   def py(nil), do: "None"
@@ -124,7 +136,9 @@ defmodule Bench.Defn do
       expected: expected,
       emily_args: emily_args,
       paths: paths,
-      native_out: apply(elem(Enum.at(paths, 1), 1), emily_args),
+      # (The first output, the one Python's is compared with.)
+      native_out:
+        hd(Nx.Defn.Composite.flatten_list([apply(elem(Enum.at(paths, 1), 1), emily_args)])),
       dump: %{
         name: slug,
         reps: reps,
@@ -156,7 +170,7 @@ defmodule Bench.Defn do
   # Plus the native path again with the workers polling (Emily.Stream.set_spin/1).
   def emily_pass(g) do
     args = g.emily_args
-    run = fn f -> Bench.best(fn -> f |> apply(args) |> Nx.to_binary() end, g.reps) end
+    run = fn f -> Bench.best(fn -> f |> apply(args) |> read() end, g.reps) end
     times = for {label, f} <- g.paths, into: %{}, do: {label, run.(f)}
     native = Enum.find_value(g.paths, fn {label, f} -> label == "native" && f end)
     previous = Emily.Stream.set_spin(@spin)
@@ -175,7 +189,7 @@ defmodule Bench.Defn do
     # (In the timing process: the default backend is the process's own.)
     Bench.best(
       fn ->
-        Nx.with_default_backend(Nx.BinaryBackend, fn -> f |> apply(args) |> Nx.to_binary() end)
+        Nx.with_default_backend(Nx.BinaryBackend, fn -> f |> apply(args) |> read() end)
       end,
       1,
       3
@@ -264,8 +278,16 @@ graphs =
     {vocab, classes} = {8 * seq, 4}
     {embeddings, key} = Bench.Defn.params(key, [{vocab, d}, {seq, d}], 0.5)
     {head, key} = Bench.Defn.params(key, [{d, classes}, {classes}], 0.5)
-    {tokens, _key} = Nx.Random.randint(key, 0, vocab, shape: {seq}, type: :s32)
+    {tokens, key} = Nx.Random.randint(key, 0, vocab, shape: {seq}, type: :s32)
     tokens = Nx.backend_copy(tokens, Nx.BinaryBackend)
+
+    # The training step's one-hot labels and Adam moments (as after some steps).
+    {classes_of, key} = Nx.Random.randint(key, 0, dout, shape: {batch}, type: :s32)
+    labels = Nx.equal(Nx.new_axis(classes_of, 1), Nx.iota({1, dout})) |> Nx.as_type(:f32)
+    labels = Nx.backend_copy(labels, Nx.BinaryBackend)
+    {m, key} = Bench.Defn.params(key, Enum.map(Tuple.to_list(mlp), & &1.shape), 0.01)
+    {v, _key} = Bench.Defn.params(key, Enum.map(Tuple.to_list(mlp), & &1.shape), 0.01)
+    v = v |> Tuple.to_list() |> Enum.map(&Nx.multiply(&1, &1)) |> List.to_tuple()
 
     [
       Bench.Defn.graph(
@@ -273,6 +295,14 @@ graphs =
         &Models.mlp/2,
         [x, mlp],
         reps,
+        dir,
+        binary?
+      ),
+      Bench.Defn.graph(
+        "#{label}MLP training step (grad, Adam) #{batch}x#{din}-#{hidden}-#{hidden}-#{dout}",
+        &Models.train_step/4,
+        [x, labels, mlp, {m, v}],
+        div(reps, 4),
         dir,
         binary?
       ),
@@ -431,7 +461,7 @@ if pairs > 0 do
         ] do
       f = Enum.find_value(g.paths, fn {l, f} -> l == label && f end)
       args = g.emily_args
-      run = fn -> f |> apply(args) |> Nx.to_binary() end
+      run = fn -> f |> apply(args) |> Bench.Defn.read() end
       {[g.name, label, py], run, "#{g.slug}_#{py}", 4 * g.reps}
     end
 

@@ -74,6 +74,40 @@ defmodule Bench.Defn.Models do
     Nx.select(keep, x * 2, 0.0)
   end
 
+  # One training step of the MLP, as a training loop runs it: softmax cross-entropy
+  # against one-hot `labels`, its gradient (Nx's grad through the whole forward pass),
+  # and an Adam update of each parameter and its two moments, in one graph.
+  defn train_step(x, labels, params, moments, opts \\ []) do
+    opts = keyword!(opts, lr: 1.0e-3, b1: 0.9, b2: 0.999, eps: 1.0e-8, step: 10)
+
+    {loss, grads} =
+      value_and_grad(params, fn p ->
+        -Nx.mean(Nx.sum(labels * Nx.log(mlp(x, p)), axes: [1]))
+      end)
+
+    {params, moments} = adam_all(params, grads, moments, opts)
+    {params, moments, loss}
+  end
+
+  deftransformp adam_all(params, grads, {m, v}, opts) do
+    [params, grads, m, v]
+    |> Enum.map(&Tuple.to_list/1)
+    |> Enum.zip_with(fn [p, g, m, v] -> adam(p, g, m, v, opts) end)
+    |> Enum.reduce({[], [], []}, fn {p, m, v}, {ps, ms, vs} -> {[p | ps], [m | ms], [v | vs]} end)
+    |> then(fn {ps, ms, vs} ->
+      tuple = &(&1 |> Enum.reverse() |> List.to_tuple())
+      {tuple.(ps), {tuple.(ms), tuple.(vs)}}
+    end)
+  end
+
+  defn adam(p, g, m, v, opts) do
+    m = opts[:b1] * m + (1 - opts[:b1]) * g
+    v = opts[:b2] * v + (1 - opts[:b2]) * g * g
+    m_hat = m / (1 - opts[:b1] ** opts[:step])
+    v_hat = v / (1 - opts[:b2] ** opts[:step])
+    {p - opts[:lr] * m_hat / (Nx.sqrt(v_hat) + opts[:eps]), m, v}
+  end
+
   # A sequence classifier: token and position embeddings (take), the block, mean
   # pooling and a linear head; the predicted class (argmax).
   defn classifier(tokens, {emb, pos}, block_params, {wc, bc}) do
