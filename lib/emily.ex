@@ -78,25 +78,29 @@ defmodule Emily do
 
   @doc """
   The bytes of `tensor`, row-major and native-endian, after evaluating it. The binary
-  is a view of MLX's buffer (no copy). Emits `[:emily, :to_binary, *]`
-  (`Emily.Telemetry`).
+  is a view of MLX's buffer (no copy). A read that waits for the tensor's evaluation
+  emits `[:emily, :to_binary, *]` (`Emily.Telemetry`); one of an evaluated tensor
+  returns at once and emits nothing.
   """
   @spec to_binary(tensor) :: binary
   def to_binary(tensor) do
-    Emily.Telemetry.span :to_binary,
-                         Emily.Telemetry.to_binary_metadata(tensor),
-                         &Emily.Telemetry.to_binary_stop/1 do
-      ref = make_ref()
+    ref = make_ref()
 
-      bin =
-        case Native.to_binary(ref, tensor) do
-          {:ok, bin} -> bin
-          ^ref -> await(ref)
-        end
+    bin =
+      case Native.to_binary(ref, tensor) do
+        {:ok, bin} ->
+          bin
 
-      Emily.Debug.check_finite(Emily.Stream.current(), tensor, "to_binary")
-      bin
-    end
+        ^ref ->
+          Emily.Telemetry.span :to_binary,
+                               Emily.Telemetry.to_binary_metadata(tensor),
+                               &Emily.Telemetry.to_binary_stop/1 do
+            await(ref)
+          end
+      end
+
+    Emily.Debug.check_finite(Emily.Stream.current(), tensor, "to_binary")
+    bin
   end
 
   @doc """

@@ -53,8 +53,12 @@ defmodule Emily.ObservabilityTest do
           Emily.eval([x, x])
           assert_receive {[:emily, :eval, :start], %{system_time: _}, %{count: 2}}
           assert_receive {[:emily, :eval, :stop], %{duration: _}, %{count: 2}}
-          Emily.to_binary(x)
-          assert_receive {[:emily, :to_binary, :stop], %{duration: _, bytes: 8}, %{tensor: ^x}}
+          # A read that waits for the evaluation; none for an evaluated tensor.
+          y = N.add(s(), x, x)
+          Emily.to_binary(y)
+          assert_receive {[:emily, :to_binary, :stop], %{duration: _, bytes: 8}, %{tensor: ^y}}
+          Emily.to_binary(y)
+          refute_received {[:emily, :to_binary, :stop], _, _}
           Emily.Memory.stats()
           assert_receive {[:emily, :memory, :stats], %{active: _, memory_limit: _}, %{}}
           bad = N.reshape(s(), x, {3})

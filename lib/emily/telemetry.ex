@@ -16,10 +16,13 @@ defmodule Emily.Telemetry do
     * `[:emily, :eval, :start | :stop | :exception]` — `Emily.eval/1`, from the call to
       the last worker's reply. Metadata: `count` (the number of tensors).
 
-    * `[:emily, :to_binary, :start | :stop | :exception]` — `Emily.to_binary/1` (and
-      `Emily.to_list/1`), from the call until the bytes are in the caller's hands.
-      Metadata: `tensor` (the tensor). `:stop` adds the measurement `bytes` (the size
-      of the binary).
+    * `[:emily, :to_binary, :start | :stop | :exception]` — a read
+      (`Emily.to_binary/1`, `Emily.to_list/1`, and `Nx.to_binary/1` and the like on
+      `Emily.Backend`) that waits for its tensor's evaluation, from the start of the
+      wait until the bytes are in the caller's hands. A read of an evaluated tensor
+      (a compiled function's outputs, a tensor read before) takes a microsecond and
+      emits nothing. Metadata: `tensor` (the tensor). `:stop` adds the measurement
+      `bytes` (the size of the binary).
 
     * `[:emily, :fallback, :start | :stop | :exception]` — an op that `Emily.Backend`
       runs on another backend because MLX has no path for it (emitted through
