@@ -58,7 +58,7 @@ defmodule Emily.ObservabilityTest do
           Emily.to_binary(y)
           assert_receive {[:emily, :to_binary, :stop], %{duration: _, bytes: 8}, %{tensor: ^y}}
           Emily.to_binary(y)
-          refute_received {[:emily, :to_binary, :stop], _, _}
+          refute_received {[:emily, :to_binary, :stop], _, %{tensor: ^y}}
           Emily.Memory.stats()
           assert_receive {[:emily, :memory, :stats], %{active: _, memory_limit: _}, %{}}
           bad = N.reshape(s(), x, {3})
