@@ -493,10 +493,9 @@ if Code.ensure_loaded?(Nx) do
 
     ## Reductions
 
-    defp n_sum(out, t, opts), do: reduction(:sum, out, t, opts)
-    defp n_product(out, t, opts), do: reduction(:prod, out, t, opts)
-    defp n_reduce_max(out, t, opts), do: reduction(:max, out, t, opts)
-    defp n_reduce_min(out, t, opts), do: reduction(:min, out, t, opts)
+    for {name, mlx} <- Emily.Backend.Ops.reduce() do
+      defp unquote(:"n_#{name}")(out, t, opts), do: reduction(unquote(mlx), out, t, opts)
+    end
 
     defp n_all(out, t, opts), do: bool_reduction(:all, out, t, opts)
     defp n_any(out, t, opts), do: bool_reduction(:any, out, t, opts)
@@ -636,22 +635,13 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    for {name, mlx} <- [
-          logical_and: :logical_and,
-          logical_or: :logical_or,
-          logical_xor: :not_equal
-        ] do
+    for {name, mlx} <- Emily.Backend.Ops.logical() do
       defp unquote(:"n_#{name}")(%T{type: type} = out, l, r) do
         s = stream([l, r], type)
         {x, _} = Compose.logical({Eager, s}, unquote(mlx), [typed(l, s), typed(r, s)], type)
         wrap(x, out, s)
       end
     end
-
-    # Nx's remainder has the dividend's sign and its quotient truncates; MLX's remainder
-    # and floor_divide floor. The table's fmod and trunc_divide are Nx's.
-    defp n_remainder(out, l, r), do: binary(:fmod, out, l, r)
-    defp n_quotient(out, l, r), do: binary(:trunc_divide, out, l, r)
 
     defp binary(op, %T{type: type} = out, l, r) do
       s = stream([l, r], type)
@@ -727,7 +717,7 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    for {name, mlx} <- [is_nan: :isnan, is_infinity: :isinf] do
+    for {name, mlx} <- Emily.Backend.Ops.classify() do
       defp unquote(:"n_#{name}")(%T{type: type, shape: shape} = out, %T{} = t) do
         s = stream([t], type)
         {x, _} = Compose.classify({Eager, s}, unquote(mlx), typed(t, s), type, shape)

@@ -47,7 +47,11 @@ defmodule Emily.Backend.Ops do
     bitwise_or: :bitwise_or,
     bitwise_xor: :bitwise_xor,
     left_shift: :left_shift,
-    right_shift: :right_shift
+    right_shift: :right_shift,
+    # Nx's remainder has the dividend's sign and its quotient truncates; MLX's remainder
+    # and floor_divide floor. The table's fmod and trunc_divide are Nx's.
+    remainder: :fmod,
+    quotient: :trunc_divide
   }
 
   @compare %{
@@ -58,6 +62,13 @@ defmodule Emily.Backend.Ops do
     greater_equal: :greater_equal,
     less_equal: :less_equal
   }
+
+  # Nx's logical_xor is MLX's not_equal of the two as booleans.
+  @logical %{logical_and: :logical_and, logical_or: :logical_or, logical_xor: :not_equal}
+
+  @classify %{is_nan: :isnan, is_infinity: :isinf}
+
+  @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
 
   # MLX's CPU kernels for these compute f64 inputs with f32 accuracy: on f64, Emily
   # computes them on Nx.BinaryBackend (and the native path does not lower them).
@@ -123,6 +134,15 @@ defmodule Emily.Backend.Ops do
 
   @doc "Nx op of a reduce function => `{reduction, window reduction, combining op}`."
   def reduce_funs, do: @reduce_funs
+
+  @doc "Nx logical ops => Native op on booleans (MLX bool results; Nx wants u8)."
+  def logical, do: @logical
+
+  @doc "Nx's is_nan and is_infinity => Native op (of floating-point and complex tensors)."
+  def classify, do: @classify
+
+  @doc "Nx reductions => Native op."
+  def reduce, do: @reduce
 
   @doc "The Nx ops MLX computes with f32 accuracy on f64."
   def f64_imprecise, do: @f64_imprecise

@@ -20,16 +20,13 @@ if Code.ensure_loaded?(Nx) do
     @unary Emily.Backend.Ops.unary()
     @f64_imprecise Emily.Backend.Ops.f64_imprecise()
 
-    # Nx's remainder has the dividend's sign and its quotient truncates.
-    @binary Map.merge(Emily.Backend.Ops.arith(), %{remainder: :fmod, quotient: :trunc_divide})
+    @binary Emily.Backend.Ops.arith()
 
     @compare Emily.Backend.Ops.compare()
 
-    @logical %{logical_and: :logical_and, logical_or: :logical_or, logical_xor: :not_equal}
-
-    @classify %{is_nan: :isnan, is_infinity: :isinf}
-
-    @reduce %{sum: :sum, product: :prod, reduce_max: :max, reduce_min: :min}
+    @logical Emily.Backend.Ops.logical()
+    @classify Emily.Backend.Ops.classify()
+    @reduce Emily.Backend.Ops.reduce()
 
     # Shape ops of a tensor and a list of axes.
     @axes_ops %{squeeze: :squeeze, transpose: :transpose, reverse: :flip}
