@@ -540,23 +540,11 @@ if Code.ensure_loaded?(Nx) do
 
     ## Window reductions
 
-    for op <- [:window_sum, :window_product, :window_max, :window_min] do
+    for op <- Emily.Backend.Ops.window() do
       defp unquote(:"n_#{op}")(%T{type: type} = out, %T{} = t, window, opts) do
         s = stream([t], type)
-        {lo, hi} = Enum.unzip(opts[:padding])
-
-        x =
-          N.unquote(op)(
-            s,
-            ref(t, s, type),
-            Tuple.to_list(window),
-            opts[:strides],
-            lo,
-            hi,
-            opts[:window_dilations]
-          )
-
-        wrap(x, out, s)
+        args = [s, ref(t, s, type) | Emily.Backend.Ops.window_args(window, opts)]
+        wrap(apply(N, unquote(op), args), out, s)
       end
     end
 

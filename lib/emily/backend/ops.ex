@@ -110,6 +110,15 @@ defmodule Emily.Backend.Ops do
       [opts[:output_permutation] || []]
   end
 
+  @doc "Nx's window reductions, each the Native op of its name."
+  def window, do: [:window_sum, :window_product, :window_max, :window_min]
+
+  @doc "A Native window reduction's arguments after the tensor, from Nx's options."
+  def window_args(window, opts) do
+    {lo, hi} = Enum.unzip(opts[:padding])
+    [Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]]
+  end
+
   @doc """
   The `{starts, stops}` of a slice of `lengths` at numeric `starts` in `shape`, each
   start clamped so that the slice fits, as Nx clamps it.

@@ -28,7 +28,7 @@ if Code.ensure_loaded?(Nx) do
     @scatter Emily.Backend.Ops.scatter()
     @scan Emily.Backend.Ops.scan()
     @take Emily.Backend.Ops.take()
-    @window [:window_sum, :window_product, :window_max, :window_min]
+    @window Emily.Backend.Ops.window()
     @reduce_funs Emily.Backend.Ops.reduce_funs()
 
     @doc false
@@ -72,8 +72,7 @@ if Code.ensure_loaded?(Nx) do
 
     def lower_op(op, [x, window, opts], %T{type: type}, st) when op in @window do
       {x, st} = operand(x, type, st)
-      {lo, hi} = Enum.unzip(opts[:padding])
-      emit(st, op, [x, Tuple.to_list(window), opts[:strides], lo, hi, opts[:window_dilations]])
+      emit(st, op, [x | Emily.Backend.Ops.window_args(window, opts)])
     end
 
     # A reduce whose function is one Nx op on its two arguments, and the same over

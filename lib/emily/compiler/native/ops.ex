@@ -36,7 +36,7 @@ if Code.ensure_loaded?(Nx) do
 
     # What Emily.Compiler.Native.Index lowers.
     @index_ops [:slice, :put_slice, :gather, :indexed_add, :indexed_put, :argmax, :argmin] ++
-                 [:sort, :argsort, :window_sum, :window_product, :window_max, :window_min] ++
+                 [:sort, :argsort | Emily.Backend.Ops.window()] ++
                  [:window_scatter_max, :window_scatter_min, :reduce, :window_reduce, :conv]
 
     @fast_blocks Emily.Fast.blocks()
