@@ -1179,7 +1179,11 @@ if Code.ensure_loaded?(Nx) do
     # `t`'s array on `s` with its type, as Emily.Backend.Compose takes its values.
     defp typed(%T{type: type} = t, s), do: {ref(t, s), type}
 
-    defp wrap(ref, %T{} = out, s), do: %{out | data: %B{ref: check(ref, out), stream: s}}
+    # (Counted for the process's collection: Emily.Memory.created/1.)
+    defp wrap(ref, %T{} = out, s) do
+      Emily.Memory.created(Nx.byte_size(out))
+      %{out | data: %B{ref: check(ref, out), stream: s}}
+    end
 
     if @check? do
       defp check(ref, %T{type: type, shape: shape}) do

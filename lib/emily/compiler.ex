@@ -159,6 +159,7 @@ if Code.ensure_loaded?(Nx) do
       case lowered(key, vars, fun, opts, device) do
         {:ok, {plan, template, checks}} ->
           fn args_list ->
+            Emily.Memory.collect_due()
             Enum.map(args_list, &run_native(plan, template, checks, &1, opts))
           end
 
@@ -310,15 +311,20 @@ if Code.ensure_loaded?(Nx) do
       results(template, refs, s)
     end
 
-    # The outputs in the template's container (a lone tensor is the common case).
-    defp results(%Nx.Tensor{} = t, [ref], s), do: %{t | data: %Emily.Backend{ref: ref, stream: s}}
+    # The outputs in the template's container (a lone tensor is the common case),
+    # counted for the process's collection (Emily.Memory.created/1).
+    defp results(%Nx.Tensor{} = t, [ref], s) do
+      Emily.Memory.created(Nx.byte_size(t))
+      %{t | data: %Emily.Backend{ref: ref, stream: s}}
+    end
 
     defp results(template, refs, s) do
-      {result, []} =
-        Nx.Defn.Composite.traverse(template, refs, fn t, [ref | rest] ->
-          {%{t | data: %Emily.Backend{ref: ref, stream: s}}, rest}
+      {result, {[], bytes}} =
+        Nx.Defn.Composite.traverse(template, {refs, 0}, fn t, {[ref | rest], bytes} ->
+          {%{t | data: %Emily.Backend{ref: ref, stream: s}}, {rest, bytes + Nx.byte_size(t)}}
         end)
 
+      Emily.Memory.created(bytes)
       result
     end
 

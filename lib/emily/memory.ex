@@ -15,8 +15,29 @@ defmodule Emily.Memory do
         memory_limit: 8 * 1024 ** 3,   # set_memory_limit/1
         cache_limit: 512 * 1024 ** 2,  # set_cache_limit/1
         wired_limit: 0,                # set_wired_limit/1 (Metal only; ignored elsewhere with a warning)
-        malloc: [mmap_threshold: 32 * 1024 ** 2, trim_threshold: 64 * 1024 ** 2]
+        malloc: [mmap_threshold: 32 * 1024 ** 2, trim_threshold: 64 * 1024 ** 2],
                                        # tune_malloc/1 (the default); `false` leaves malloc alone
+        collect_after: 64 * 1024 ** 2  # set_collect_after/1 (the default); `false` turns it off
+
+  ## Results the BEAM has not collected yet
+
+  An MLX array lives as long as a term refers to it. That term is a few words on its
+  process's heap, and the BEAM collects a process's garbage when its heap fills: it does
+  not see the megabytes behind each term. So a loop whose every pass makes large new
+  tensors and drops the last ones (a training loop's parameters and optimizer state)
+  holds several passes' worth until its process is collected: 40 steps of an Axon
+  training loop of a 21M-parameter MLP with Adam (a quarter of a gigabyte of parameters
+  and moments) peaked at 1.6 and 2.7 GB in two runs, against 0.96 GB with Axon's
+  `force_garbage_collection?` (the loop's process collected after each step).
+
+  `Emily.Backend` and `Emily.Compiler` therefore count the bytes of the results they
+  hand to each process, and once those pass the `collect_after` budget (64 MiB by
+  default) since the last collection, collect that process's garbage
+  (`:erlang.garbage_collect/0`) at its next op or compiled function's run, emitting
+  `[:emily, :memory, :collect]`. That loop then peaks at 0.96 GB by itself, and runs
+  faster for it (30 s against 32-38 s). A process that holds a large heap of its own
+  pays for a full collection each time: raise the budget, or turn it off with `false`,
+  for those.
 
   ## Host memory on Linux: glibc's malloc
 
@@ -117,6 +138,69 @@ defmodule Emily.Memory do
   def set_wired_limit(bytes) when is_integer(bytes) and bytes >= 0,
     do: call(&Emily.Native.set_wired_limit(&1, &2, bytes))
 
+  @collect_after 64 * 1024 ** 2
+
+  @doc """
+  Sets the bytes of results a process takes from `Emily.Backend` and `Emily.Compiler`
+  between two collections of its garbage (`false`: none), and returns the previous
+  setting. See "Results the BEAM has not collected yet".
+  """
+  @spec set_collect_after(non_neg_integer | false) :: non_neg_integer | false
+  def set_collect_after(bytes) when (is_integer(bytes) and bytes >= 0) or bytes == false do
+    previous = collect_after()
+    :persistent_term.put({__MODULE__, :collect_after}, bytes)
+    previous
+  end
+
+  defp collect_after, do: :persistent_term.get({__MODULE__, :collect_after}, @collect_after)
+
+  @created {__MODULE__, :created}
+
+  @doc false
+  # Counts `bytes` of results handed to the calling process, collecting its garbage
+  # first if the results counted before passed the budget.
+  @spec created(non_neg_integer) :: :ok
+  def created(bytes) do
+    case collect_after() do
+      false ->
+        :ok
+
+      budget ->
+        case Process.get(@created, 0) do
+          total when total >= budget ->
+            collect(total)
+            Process.put(@created, bytes)
+
+          total ->
+            Process.put(@created, total + bytes)
+        end
+
+        :ok
+    end
+  end
+
+  @doc false
+  # Collects the calling process's garbage if the results counted since its last
+  # collection passed the budget. Emily.Compiler calls it before each run, when the
+  # caller has dropped what the last run replaced (a training step's old parameters).
+  @spec collect_due() :: :ok
+  def collect_due do
+    with budget when budget != false <- collect_after(),
+         total when total >= budget <- Process.get(@created, 0) do
+      collect(total)
+      Process.put(@created, 0)
+    end
+
+    :ok
+  end
+
+  # Collects the calling process's garbage; returns the bytes counted before.
+  defp collect(total) do
+    :erlang.garbage_collect()
+    Emily.Telemetry.execute([:memory, :collect], %{bytes: total}, %{})
+    total
+  end
+
   @malloc_defaults [mmap_threshold: 32 * 1024 ** 2, trim_threshold: 64 * 1024 ** 2]
 
   @doc """
@@ -168,6 +252,15 @@ defmodule Emily.Memory do
       other ->
         raise ArgumentError,
               "config :emily, malloc: expected a keyword list or false, got #{inspect(other)}"
+    end
+
+    case Keyword.get(env, :collect_after, @collect_after) do
+      bytes when (is_integer(bytes) and bytes >= 0) or bytes == false ->
+        set_collect_after(bytes)
+
+      other ->
+        raise ArgumentError,
+              "config :emily, collect_after: expected a number of bytes or false, got #{inspect(other)}"
     end
 
     for {key, setter} <- [

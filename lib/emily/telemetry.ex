@@ -29,6 +29,11 @@ defmodule Emily.Telemetry do
       `Emily.Fallback.span/3`). Metadata: `op` (the op's name, an atom) and `inputs`
       (a list describing the inputs, e.g. `[{{2, 3}, {:f, 32}}]`).
 
+    * `[:emily, :memory, :collect]` — a single event: a process's garbage was collected
+      because the results `Emily.Backend` and `Emily.Compiler` handed it passed the
+      budget (`Emily.Memory`, "Results the BEAM has not collected yet"). Measurements:
+      `bytes` (the results counted since the last collection). Metadata: empty.
+
     * `[:emily, :memory, :stats]` — a single event, emitted by `Emily.Memory.stats/0`.
       Measurements: `active`, `peak`, `cache`, `memory_limit`, `cache_limit` (bytes, as
       documented there). Metadata: empty.

@@ -209,6 +209,81 @@ defmodule Emily.MemoryTest do
     end
   end
 
+  test "set_collect_after/1 returns the previous budget; apply_config/1 sets and checks it" do
+    previous = Emily.Memory.set_collect_after(123)
+
+    try do
+      assert Emily.Memory.set_collect_after(false) == 123
+      assert Emily.Memory.apply_config(collect_after: 7 * @mib, malloc: false) == :ok
+      assert Emily.Memory.set_collect_after(false) == 7 * @mib
+
+      assert_raise ArgumentError, ~r/collect_after: expected a number of bytes or false/, fn ->
+        Emily.Memory.apply_config(collect_after: :yes, malloc: false)
+      end
+    after
+      Emily.Memory.apply_config([])
+      Emily.Memory.set_collect_after(previous)
+    end
+  end
+
+  test "results counted past the budget get their process collected, freeing dropped tensors" do
+    with_cpu(fn ->
+      st = s()
+      bin = :binary.copy(<<1.0::float-32-native>>, @mib)
+      active = fn -> Emily.Memory.stats().active end
+
+      # Sixteen 4 MiB tensors, each dropped at once, in a process whose heap is large
+      # enough that the BEAM would not collect it meanwhile: what frees them is the count.
+      # `check` sees the memory they grew by once made, and once collect_due/0 ran.
+      run = fn budget, check ->
+        previous = Emily.Memory.set_collect_after(budget)
+        parent = self()
+
+        try do
+          before = active.()
+
+          child =
+            Process.spawn(
+              fn ->
+                for _ <- 1..16 do
+                  :ok = Emily.eval(Emily.from_binary(bin, {@mib}, {:f, 32}, stream: st))
+                  Emily.Memory.created(4 * @mib)
+                end
+
+                send(parent, :made)
+                assert_receive :collect, 10_000
+                Emily.Memory.collect_due()
+                send(parent, :collected)
+                assert_receive :exit, 10_000
+              end,
+              [:link, min_heap_size: 2_000_000]
+            )
+
+          assert_receive :made, 10_000
+          check.(:made, fn -> active.() - before end)
+          send(child, :collect)
+          assert_receive :collected, 10_000
+          check.(:collected, fn -> active.() - before end)
+          send(child, :exit)
+        after
+          Emily.Memory.set_collect_after(previous)
+        end
+      end
+
+      run.(false, fn _, grown ->
+        # (Frees are queued to the stream: let any pending one land first.)
+        eventually(fn -> false end, 5)
+        assert grown.() >= 60 * @mib
+      end)
+
+      run.(8 * @mib, fn
+        # The two tensors counted since the last collection are left; none after.
+        :made, grown -> assert eventually(fn -> grown.() <= 9 * @mib end)
+        :collected, grown -> assert eventually(fn -> grown.() <= @mib end)
+      end)
+    end)
+  end
+
   # A process that makes and evaluates a tensor, holds it until told to drop it, then
   # exits (the tensor is garbage at once) after a round trip that drains the queue.
   defp spawn_holding(make) do

@@ -841,6 +841,58 @@ if Code.ensure_loaded?(Nx) do
       assert Nx.to_flat_list(s32) == [1, -4, 6, 92, 0, 2_147_483_647, -2_147_483_648]
     end
 
+    test "results count toward their process's collection: jit runs, and eager ops alike" do
+      mib = 1024 * 1024
+      x = Nx.iota({mib}, type: :f32, backend: Emily.Backend)
+      # One result, and a tuple of two (4 MiB and 4 bytes), taken in turns.
+      f = ejit(&Nx.add(&1, 1.0))
+      g = ejit(&{Nx.add(&1, 2.0), Nx.sum(&1)})
+      previous = Emily.Memory.set_collect_after(8 * mib)
+      parent = self()
+      id = "emily-collect-#{System.unique_integer()}"
+      handler = fn _, %{bytes: bytes}, _, _ -> send(parent, {:collected, self(), bytes}) end
+      :telemetry.attach(id, [:emily, :memory, :collect], handler, nil)
+
+      try do
+        before = Emily.Memory.stats().active
+
+        # Sixteen runs, each dropped at once, in a process whose heap the BEAM would not
+        # collect meanwhile: each run after 8 MiB of results collects first.
+        child =
+          Process.spawn(
+            fn ->
+              for _ <- 1..8, do: {f.(x), g.(x)}
+              send(parent, {:grown, Emily.Memory.stats().active - before})
+            end,
+            [:link, min_heap_size: 2_000_000]
+          )
+
+        assert_receive {:grown, grown}, 10_000
+        # The last two results, and frees still queued to the stream.
+        assert grown <= 20 * mib
+        for _ <- 1..7, do: assert_receive({:collected, ^child, bytes} when bytes == 8 * mib + 4)
+        refute_received {:collected, ^child, _}
+
+        # Emily.Backend's results, 4 MiB each: from the third op on, every other op
+        # collects first.
+        child =
+          Process.spawn(
+            fn ->
+              for _ <- 1..16, do: Nx.add(x, 1.0)
+              send(parent, :done)
+            end,
+            [:link, min_heap_size: 2_000_000]
+          )
+
+        assert_receive :done, 10_000
+        for _ <- 1..7, do: assert_receive({:collected, ^child, bytes} when bytes == 8 * mib)
+        refute_received {:collected, ^child, _}
+      after
+        :telemetry.detach(id)
+        Emily.Memory.set_collect_after(previous)
+      end
+    end
+
     test "the native path is the default; native: false takes the evaluator path" do
       x = Nx.tensor([1.0, 2.0])
       assert {:program, _, _} = plan_of(ejit(&powers/1), [x])
