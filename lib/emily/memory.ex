@@ -25,19 +25,19 @@ defmodule Emily.Memory do
   process's heap, and the BEAM collects a process's garbage when its heap fills: it does
   not see the megabytes behind each term. So a loop whose every pass makes large new
   tensors and drops the last ones (a training loop's parameters and optimizer state)
-  holds several passes' worth until its process is collected: 40 steps of an Axon
-  training loop of a 21M-parameter MLP with Adam (a quarter of a gigabyte of parameters
-  and moments) peaked at 1.6 and 2.7 GB in two runs, against 0.96 GB with Axon's
-  `force_garbage_collection?` (the loop's process collected after each step).
+  holds several passes' worth until its process is collected, the more the larger its
+  heap: training steps of a 21M-parameter MLP with Adam (240 MiB of parameters and
+  moments) peaked at 1.5 GiB of MLX memory from a loop process of the smallest heap,
+  and at 5.5 GiB (and 60% slower) from one of 200,000 words, against 1.25 GiB with the
+  process collected after every step (`bench/collect.exs`).
 
   `Emily.Backend` and `Emily.Compiler` therefore count the bytes of the results they
   hand to each process, and once those pass the `collect_after` budget (64 MiB by
   default) since the last collection, collect that process's garbage
   (`:erlang.garbage_collect/0`) at its next op or compiled function's run, emitting
-  `[:emily, :memory, :collect]`. That loop then peaks at 0.96 GB by itself, and runs
-  faster for it (30 s against 32-38 s). A process that holds a large heap of its own
-  pays for a full collection each time: raise the budget, or turn it off with `false`,
-  for those.
+  `[:emily, :memory, :collect]`. That loop then peaks at 1.25 GiB whatever its heap. A
+  process that holds a large heap of its own pays for a full collection each time:
+  raise the budget, or turn it off with `false`, for those.
 
   ## Host memory on Linux: glibc's malloc
 
