@@ -23,7 +23,15 @@ defmodule Emily.Soak.ExitTest do
   """
 
   test "halting the VM while streams compute exits with status 0" do
-    paths = Enum.flat_map(:code.get_path(), &["-pa", to_string(&1)])
+    # The code path's ebin directories: its "." would name the working directory as an
+    # app (a bundle unpacked as emily-bundle reads as emily-<version>, whose priv/ the
+    # NIF would be looked for in).
+    paths =
+      for path <- :code.get_path(),
+          Path.basename(to_string(path)) == "ebin",
+          arg <- ["-pa", to_string(path)],
+          do: arg
+
     elixir = [System.find_executable("elixir") | paths ++ ["-e", @script]]
 
     # Without the guard a VM can also hang in its exit: bound each run.
