@@ -110,9 +110,9 @@ if Code.ensure_loaded?(Nx) do
         graph deeper than a thread's stack can trace runs on the stream's worker, or
         there uncompiled: see `Emily.Program`). On the CPU, MLX builds each fused
         kernel it has not met before with the system C++ compiler, about half a second
-        each (an Axon training step's first call, 31 kernels: 15 s on two cores), and
-        keeps them in the system's temporary directory (`mlx/<version>/cpu`), where
-        later calls and later VMs find them (that first call: 28 ms).
+        each on two cores (a training step of a few dozen kernels: seconds on its
+        first call), and keeps them in the system's temporary directory
+        (`mlx/<version>/cpu`), where later calls and later VMs find them.
       * `:cache` - keep the traced graph (and, on the native path, the lowered
         program; default `true`): the graph is traced on the first call of a
         `Nx.Defn.jit` function for given input shapes, types and options, and later
