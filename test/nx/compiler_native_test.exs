@@ -49,6 +49,15 @@ if Code.ensure_loaded?(Nx) do
        Nx.as_type(a, :u64), Nx.as_type(Nx.as_type(y, :bf16), :s16)}
     end
 
+    # Selects on comparisons and logical ops of them; a logical result and a negated one
+    # as outputs.
+    defn masks(x, y) do
+      both = Nx.logical_and(x > 0, y < 0.5)
+
+      {Nx.select(x > y, x, y), Nx.select(both, x, 0.0), Nx.logical_or(x > 0, y > 0),
+       Nx.logical_not(x >= y)}
+    end
+
     # Counting in each kind of type: 16-bit floats count in s32, complex in f32.
     defn iotas(x) do
       {Nx.iota({2, 3}, type: :bf16) + x, Nx.iota({3, 2}, axis: 0, type: :c64),
@@ -594,6 +603,20 @@ if Code.ensure_loaded?(Nx) do
 
     test "blocks without a kernel lower their default: top_k, all_close, a library's block" do
       check_paths(&blocks/2, [O.tensor({3, 5}, {:f, 32}), O.tensor({3, 5}, {:f, 32})])
+    end
+
+    test "a predicate made by comparisons and logical ops stays MLX's bool" do
+      x = O.tensor({2, 3}, {:f, 32})
+      y = O.tensor({2, 3}, {:f, 32})
+
+      {instrs, _, _, _, _} = Emily.Compiler.Native.instructions_of(&masks/2, [x, y])
+
+      # Only the two results Nx types as u8 are cast; before, each comparison was cast to
+      # u8 and back to bool, and each logical op's result to u8 (fourteen casts here).
+      casts = Enum.filter(instrs, &match?({:astype, _}, &1))
+      assert [{:astype, [_, {:u, 8}]}, {:astype, [_, {:u, 8}]}] = casts
+
+      check_paths(&masks/2, [x, y])
     end
 
     test "each distinct instruction is emitted once" do

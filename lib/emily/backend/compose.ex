@@ -123,8 +123,17 @@ if Code.ensure_loaded?(Nx) do
     def operand(b, {x, to}, to), do: {x, b}
     def operand(b, {x, _from}, to), do: op(b, :astype, [x, to])
 
+    # The op table's ops whose result is MLX's bool.
+    @bool_ops Map.values(Emily.Backend.Ops.compare()) ++
+                Map.values(Emily.Backend.Ops.logical()) ++
+                Map.values(Emily.Backend.Ops.classify()) ++
+                [:logical_not, :all, :any, :allclose]
+
     # `op` (the op table's) on `args`, cast to Nx's `type`: MLX answers comparisons and
-    # logical ops in bool (Nx in u8), and keeps 8- and 16-bit integers in its scans.
+    # logical ops in bool (Nx in u8), and keeps 8- and 16-bit integers in its scans. (A
+    # bool result wanted as bool, a predicate's, needs no cast.)
+    def op_as(b, name, args, :bool) when name in @bool_ops, do: op(b, name, args)
+
     def op_as(b, name, args, type) do
       {y, b} = op(b, name, args)
       op(b, :astype, [y, type])

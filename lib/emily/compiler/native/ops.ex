@@ -9,6 +9,7 @@ if Code.ensure_loaded?(Nx) do
     # Emily.Compiler.Native.Control.
 
     alias Nx.Tensor, as: T
+    alias Nx.Defn.Expr
     alias Emily.Backend.Compose
     alias Emily.Compiler.Native.{Control, Index}
 
@@ -186,7 +187,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@logical, op) do
-      {args, st} = typed([l, r], st)
+      {args, st} = predicates([l, r], st)
       composed(Compose.logical({__MODULE__, st}, Map.fetch!(@logical, op), args, type))
     end
 
@@ -251,7 +252,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def lower_op(:select, [pred, on_true, on_false], %T{type: type}, st) do
-      {p, st} = operand(pred, :bool, st)
+      {p, st} = predicate(pred, st)
       {a, st} = operand(on_true, type, st)
       {b, st} = operand(on_false, type, st)
       emit(st, :where, [p, a, b])
@@ -295,7 +296,7 @@ if Code.ensure_loaded?(Nx) do
     end
 
     def lower_op(:block, [%Nx.Block.LogicalNot{}, [x], _default, _fun], t, st) do
-      {args, st} = typed([x], st)
+      {args, st} = predicates([x], st)
       composed(Compose.logical({__MODULE__, st}, :logical_not, args, t.type))
     end
 
@@ -345,6 +346,29 @@ if Code.ensure_loaded?(Nx) do
         do: Control.lower_op(op, args, t, st)
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
+
+    # A predicate (a select's, a logical op's operand) as MLX's bool: a comparison's or
+    # logical op's own result, without the cast to Nx's u8 and the cast back; any other
+    # node cast.
+    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@compare, op) do
+      {[l, r], st} = typed([l, r], st)
+      composed(Compose.compare({__MODULE__, st}, Map.fetch!(@compare, op), l, r, :bool))
+    end
+
+    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@logical, op) do
+      {args, st} = predicates([l, r], st)
+      composed(Compose.logical({__MODULE__, st}, Map.fetch!(@logical, op), args, :bool))
+    end
+
+    defp predicate(x, st), do: operand(x, :bool, st)
+
+    # Each node as a predicate, with its type, for Emily.Backend.Compose.
+    defp predicates(nodes, st) do
+      Enum.map_reduce(nodes, st, fn x, st ->
+        {slot, st} = predicate(x, st)
+        {{slot, :bool}, st}
+      end)
+    end
 
     # `part` with each value within `tol` of zero set to `zero`, as `type`.
     # Emily.Backend.Compose's builder for programs: each op an instruction, each scalar a
