@@ -562,8 +562,8 @@ if Code.ensure_loaded?(Nx) do
       case traced(fun, t.type, acc.type) do
         {_reduce, _window, _combine} = ops ->
           s = stream([t, acc], type)
-          [x, acc] = [{ref(t, s), t.type}, {ref(acc, s), acc.type}]
           axes = reduce_axes(t, opts[:axes])
+          [x, acc] = [typed(t, s), typed(acc, s)]
           {y, _} = Compose.reduce({Eager, s}, ops, x, acc, axes, opts[:keep_axes] || false, type)
           wrap(y, out, s)
 
@@ -577,7 +577,7 @@ if Code.ensure_loaded?(Nx) do
         {_reduce, _window, _combine} = ops ->
           # (On the stream for the type Nx pads in: the two types merged.)
           s = stream([t, acc], Nx.Type.merge(t.type, acc.type))
-          [x, acc] = [{ref(t, s), t.type}, {ref(acc, s), acc.type}]
+          [x, acc] = [typed(t, s), typed(acc, s)]
           {y, _} = Compose.window_reduce({Eager, s}, ops, x, acc, window, opts, type)
           wrap(y, out, s)
 
@@ -789,7 +789,7 @@ if Code.ensure_loaded?(Nx) do
     # (Compose.window_scatter/9.)
     defp window_scatter(op, %T{type: type} = out, t, source, init, window, opts) do
       s = stream([t, source, init], type)
-      [x, source, init] = Enum.map([t, source, init], &{ref(&1, s), &1.type})
+      [x, source, init] = Enum.map([t, source, init], &typed(&1, s))
       b = {Eager, s}
       {y, _} = Compose.window_scatter(b, op, x, source, init, window, opts, t.shape, type)
       wrap(y, out, s)

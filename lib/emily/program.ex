@@ -83,9 +83,9 @@ defmodule Emily.Program do
   traces the program and compiles it with `mx::compile` (fused elementwise kernels; on
   the CPU MLX builds them with the system C++ compiler, about half a second for each
   kernel not built before, kept in the system's temporary directory for later runs, and
-  falls back to unfused code without a compiler). MLX's compile cache is thread-local: the compiled function is cached
-  per thread and per input shapes and dtypes, and every thread's entry is dropped when
-  the program is garbage. Once a CPU program is compiled for some input shapes, `eval/3`
+  falls back to unfused code without a compiler). MLX's compile cache is thread-local:
+  the compiled function is cached per thread and per input shapes and dtypes, and every
+  thread's entry is dropped when the program is garbage. Once a CPU program is compiled for some input shapes, `eval/3`
   with inputs of those shapes may take the caller's own scheduler as above (if it has at
   most 256 instructions, so that tracing it there is short): MLX's fused kernels are then
   built, and that thread only traces the program. Its nodes are those

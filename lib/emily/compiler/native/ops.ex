@@ -181,15 +181,11 @@ if Code.ensure_loaded?(Nx) do
       emit(st, Map.fetch!(@binary, op), [l, r])
     end
 
-    def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@compare, op) do
-      {[l, r], st} = typed([l, r], st)
-      composed(Compose.compare({__MODULE__, st}, Map.fetch!(@compare, op), l, r, type))
-    end
+    def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@compare, op),
+      do: compared(Map.fetch!(@compare, op), l, r, type, st)
 
-    def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@logical, op) do
-      {args, st} = predicates([l, r], st)
-      composed(Compose.logical({__MODULE__, st}, Map.fetch!(@logical, op), args, type))
-    end
+    def lower_op(op, [l, r], %T{type: type}, st) when is_map_key(@logical, op),
+      do: logical(Map.fetch!(@logical, op), [l, r], type, st)
 
     # Nx's float to integer cast (Compose.cast/4; from complex, of the real part). A
     # complex to float cast keeps the real part (MLX's astype, below, as Emily.Backend's).
@@ -295,10 +291,8 @@ if Code.ensure_loaded?(Nx) do
       emit(st, :pad, [x, v, lo, hi, interior])
     end
 
-    def lower_op(:block, [%Nx.Block.LogicalNot{}, [x], _default, _fun], t, st) do
-      {args, st} = predicates([x], st)
-      composed(Compose.logical({__MODULE__, st}, :logical_not, args, t.type))
-    end
+    def lower_op(:block, [%Nx.Block.LogicalNot{}, [x], _default, _fun], t, st),
+      do: logical(:logical_not, [x], t.type, st)
 
     # Linear algebra as Emily.Backend computes it, LAPACK through MLX (on the CPU only:
     # a GPU program cannot hold it) in the input's real type: Cholesky, solve, and the
@@ -350,27 +344,32 @@ if Code.ensure_loaded?(Nx) do
     # A predicate (a select's, a logical op's operand) as MLX's bool: a comparison's or
     # logical op's own result, without the cast to Nx's u8 and the cast back; any other
     # node cast.
-    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@compare, op) do
-      {[l, r], st} = typed([l, r], st)
-      composed(Compose.compare({__MODULE__, st}, Map.fetch!(@compare, op), l, r, :bool))
-    end
+    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@compare, op),
+      do: compared(Map.fetch!(@compare, op), l, r, :bool, st)
 
-    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@logical, op) do
-      {args, st} = predicates([l, r], st)
-      composed(Compose.logical({__MODULE__, st}, Map.fetch!(@logical, op), args, :bool))
-    end
+    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@logical, op),
+      do: logical(Map.fetch!(@logical, op), [l, r], :bool, st)
 
     defp predicate(x, st), do: operand(x, :bool, st)
 
-    # Each node as a predicate, with its type, for Emily.Backend.Compose.
-    defp predicates(nodes, st) do
-      Enum.map_reduce(nodes, st, fn x, st ->
-        {slot, st} = predicate(x, st)
-        {{slot, :bool}, st}
-      end)
+    # A comparison (`name`, MLX's) of two nodes, as `type` (Compose.compare/5).
+    defp compared(name, l, r, type, st) do
+      {[l, r], st} = typed([l, r], st)
+      composed(Compose.compare({__MODULE__, st}, name, l, r, type))
     end
 
-    # `part` with each value within `tol` of zero set to `zero`, as `type`.
+    # A logical op (`name`, MLX's) of nodes read as predicates, as `type`
+    # (Compose.logical/4).
+    defp logical(name, nodes, type, st) do
+      {args, st} =
+        Enum.map_reduce(nodes, st, fn x, st ->
+          {slot, st} = predicate(x, st)
+          {{slot, :bool}, st}
+        end)
+
+      composed(Compose.logical({__MODULE__, st}, name, args, type))
+    end
+
     # Emily.Backend.Compose's builder for programs: each op an instruction, each scalar a
     # `full` (exact where a double holds the value, as the op table's float argument is;
     # a complex one from its parts), each limit as below.
