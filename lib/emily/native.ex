@@ -31,7 +31,8 @@ defmodule Emily.Native do
       without that dirty call; `:worker` for a compiled GPU program, which runs on its
       stream's worker); `program_eval_async/4` and `program_eval_take/1` do the
       same for a CPU program that MLX takes quickly, without the dirty scheduler
-      (`:dirty` when it does not qualify; see `Emily.Program.eval/3`);
+      (`:dirty` when it does not qualify, and once for a program whose outputs come out
+      strided, which `program_eval/3` then copies; see `Emily.Program.eval/3`);
       `program_compiled/1` tells whether a program was built with `compile: true`;
       `op_table/0` lists the ops programs can use.
     * **Memory** (`memory_stats/2`, `set_memory_limit/3`, ...): see `Emily.Memory`. Any op

@@ -170,17 +170,26 @@ defmodule Emily.Program do
 
     case Emily.Native.program_eval_async(stream, program, inputs, ref) do
       :dirty ->
-        case Emily.Native.program_eval(stream, program, inputs) do
-          :worker -> on_worker(stream, program, inputs)
-          outputs -> outputs
-        end
+        dirty(stream, program, inputs)
 
       outputs when is_list(outputs) ->
         outputs
 
       pending ->
         :ok = Emily.await(ref)
-        Emily.Native.program_eval_take(pending)
+
+        # (`:dirty` once for a program whose outputs it must copy: see the NIF.)
+        case Emily.Native.program_eval_take(pending) do
+          :dirty -> dirty(stream, program, inputs)
+          outputs -> outputs
+        end
+    end
+  end
+
+  defp dirty(stream, program, inputs) do
+    case Emily.Native.program_eval(stream, program, inputs) do
+      :worker -> on_worker(stream, program, inputs)
+      outputs -> outputs
     end
   end
 

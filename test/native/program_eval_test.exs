@@ -74,6 +74,35 @@ defmodule Emily.ProgramEvalTest do
     assert Emily.shape(empty) == {0, 3} and l(empty) == []
   end
 
+  test "outputs that come out strided on the caller's scheduler are copied, there and after" do
+    # On the caller's scheduler the graph is first built without MLX's `contiguous`
+    # (most programs' outputs never need it): a transpose, and an op on it, come out
+    # column-major, so that run is redone on the dirty path and later runs build it.
+    x = t(Enum.map(1..6, &(&1 * 1.0)), {:f, 32}, {2, 3})
+    Emily.eval(x)
+
+    for compile <- [false, true] do
+      p =
+        Program.new([{:transpose, [0, [1, 0]]}, {:negative, [1]}, {:negative, [0]}],
+          inputs: 1,
+          outputs: [1, 2, 3],
+          compile: compile
+        )
+
+      # (A compiled program takes the caller's scheduler once a dirty run compiled it.)
+      if compile, do: Program.eval(p, [x], stream: cpu())
+
+      for _ <- 1..3 do
+        ref = make_ref()
+        [tr, neg_tr, neg] = taken(measuring(p, [x], ref), ref)
+        assert l(tr) == [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]
+        assert l(neg_tr) == [-1.0, -4.0, -2.0, -5.0, -3.0, -6.0]
+        assert l(neg) == Enum.map(1..6, &(-&1 * 1.0))
+        assert Emily.shape(neg_tr) == {3, 2}
+      end
+    end
+  end
+
   test "a compiled CPU program runs on the calling thread too, from many at once" do
     ins = inputs()
     Emily.eval(ins)
@@ -270,7 +299,9 @@ defmodule Emily.ProgramEvalTest do
 
       pending ->
         assert_receive {^ref, :ok}, 60_000
-        N.program_eval_take(pending)
+
+        # (`:dirty` once for a program whose outputs come out strided.)
+        with :dirty <- N.program_eval_take(pending), do: taken(call, ref)
     end
   end
 

@@ -90,10 +90,11 @@ std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const Arra
 
 void program_finish_here(ArrayVec& outputs, int32_t device) { evaluate_row_contiguous(outputs.items, here(device)); }
 
-// The graph program_eval_async hands to MLX: the outputs on this thread's CPU stream `s`,
-// each ending in MLX's `contiguous`. Outputs leave as plain bytes, and whether one is
-// row-contiguous is known only once it is computed (`contiguous` shares the buffer when
-// it is). An input passed through is contiguous already.
+// The outputs on this thread's CPU stream `s`, each ending in MLX's `contiguous`, for a
+// program_eval_async whose outputs may come out strided: they leave as plain bytes, and
+// whether one is row-contiguous is known only once it is computed (`contiguous` shares
+// the buffer when it is, but is a node all the same, two tasks for MLX's thread). An
+// input passed through is contiguous already.
 static std::vector<array> for_export(std::vector<array> out, const Stream& s) {
   for (auto& a : out)
     if (a.has_primitive()) a = mx::contiguous(a, false, s);
@@ -103,6 +104,10 @@ static std::vector<array> for_export(std::vector<array> out, const Stream& s) {
 static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs,
                                            const Stream& s) {
   return for_export(replay(p, inputs, s), s);
+}
+
+bool row_contiguous(const ArrayVec& v) {
+  return std::all_of(v.items.begin(), v.items.end(), [](const array& a) { return a.flags().row_contiguous; });
 }
 
 // Evaluates `out` on this thread's CPU stream `s`, and calls `done` once it is computed.
@@ -122,10 +127,11 @@ static void eval_then(const std::vector<array>& out, const Stream& s, rust::Box<
   });
 }
 
-std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done) {
+std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, bool contiguous,
+                                             rust::Box<EvalDone> done) {
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay_for_export(p, inputs.items, s);
+  out->items = contiguous ? replay_for_export(p, inputs.items, s) : replay(p, inputs.items, s);
   eval_then(out->items, s, std::move(done));
   return out;
 }
@@ -145,7 +151,8 @@ static size_t count_unscheduled(const std::vector<array>& out) {
 }
 
 size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs) {
-  return count_unscheduled(replay_for_export(p, inputs.items, mx::default_stream(mx::Device::cpu)));
+  // (Without the outputs' `contiguous`, which most programs never need.)
+  return count_unscheduled(replay(p, inputs.items, mx::default_stream(mx::Device::cpu)));
 }
 
 size_t unscheduled_nodes(const ArrayVec& outputs) { return count_unscheduled(outputs.items); }
@@ -278,11 +285,12 @@ std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& input
   return out;
 }
 
-std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec& inputs, rust::Box<EvalDone> done) {
+std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec& inputs, bool contiguous,
+                                              rust::Box<EvalDone> done) {
   note_cache(c);
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = for_export(c.fn(inputs.items), s);
+  out->items = contiguous ? for_export(c.fn(inputs.items), s) : c.fn(inputs.items);
   eval_then(out->items, s, std::move(done));
   return out;
 }

@@ -61,12 +61,16 @@ std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const Arra
 void program_finish_here(ArrayVec& outputs, int32_t device);
 // The CPU device's asynchronous form of those two: replays on the calling
 // thread's own default CPU stream, hands the evaluation to MLX's thread for that stream
-// and returns the outputs at once (made row-contiguous by the graph itself). When they
-// are computed, MLX's thread calls `eval_done` (src/ops/program.rs) with the stream's
-// error, if any. Nothing may read the outputs before then.
+// and returns the outputs at once (with `contiguous`, each made row-contiguous by the
+// graph itself). When they are computed, MLX's thread calls `eval_done`
+// (src/ops/program.rs) with the stream's error, if any. Nothing may read the outputs
+// before then.
 struct EvalDone;
-std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, rust::Box<EvalDone> done);
-// The number of nodes program_eval_async would hand to MLX for inputs like these (it
+std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVec& inputs, bool contiguous,
+                                             rust::Box<EvalDone> done);
+// Whether every array of `v` (computed) is row-contiguous.
+bool row_contiguous(const ArrayVec& v);
+// The number of nodes program_eval_async hands to MLX for inputs like these (it
 // builds the graph on the calling thread's CPU stream, counts it and drops it), and a
 // hash of the inputs' shapes and dtypes, which decide that number.
 size_t program_graph_size(const ProgramSpec& p, const ArrayVec& inputs);
@@ -90,6 +94,7 @@ bool mlx_memory_over_limit();
 
 std::unique_ptr<Compiled> program_compile(const ProgramSpec& p, uint64_t id, int32_t device);
 std::unique_ptr<ArrayVec> compiled_call(const Compiled& c, const ArrayVec& inputs);
-std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec& inputs, rust::Box<EvalDone> done);
+std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec& inputs, bool contiguous,
+                                              rust::Box<EvalDone> done);
 
 }  // namespace emily

@@ -93,8 +93,10 @@ pub mod ffi {
         fn program_eval_async(
             p: &ProgramSpec,
             inputs: &ArrayVec,
+            contiguous: bool,
             done: Box<EvalDone>,
         ) -> Result<UniquePtr<ArrayVec>>;
+        fn row_contiguous(v: &ArrayVec) -> bool;
         fn program_graph_size(p: &ProgramSpec, inputs: &ArrayVec) -> Result<usize>;
         fn inputs_signature(inputs: &ArrayVec) -> u64;
         fn unscheduled_nodes(outputs: &ArrayVec) -> usize;
@@ -108,6 +110,7 @@ pub mod ffi {
         fn compiled_eval_async(
             c: &Compiled,
             inputs: &ArrayVec,
+            contiguous: bool,
             done: Box<EvalDone>,
         ) -> Result<UniquePtr<ArrayVec>>;
 

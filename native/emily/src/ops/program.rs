@@ -317,7 +317,7 @@ fn program_eval<'a>(
         let mut out = if program.compile {
             program.compiled(worker.device).and_then(|c| {
                 let out = ffi::compiled_call(&c.0, &v)?;
-                nodes = Some(ffi::unscheduled_nodes(&out) + program.outputs);
+                nodes = Some(ffi::unscheduled_nodes(&out));
                 ffi::async_eval_arrays(&out)?;
                 Ok(out)
             })
@@ -387,6 +387,9 @@ struct Fit {
     compiled: bool,
     /// The depth of its graph (measured once, for a compiled program).
     depth: Option<usize>,
+    /// Whether an output of it came out of `program_eval_async` other than row-contiguous
+    /// (a transpose's, say): that NIF then ends each output in MLX's `contiguous`.
+    strided: bool,
 }
 
 /// Bytes of stack that mx::compile's tracing takes per level of a graph's depth, with
@@ -439,8 +442,8 @@ impl ProgramResource {
 
     /// Notes a run's hand-over, and, for a compiled program's dirty run, that it is
     /// compiled for these shapes and the nodes its compiled form builds (its fused
-    /// kernels one node each, and an output's `contiguous`): counting the program's own
-    /// instructions would overstate them.
+    /// kernels one node each): counting the program's own instructions would overstate
+    /// them.
     fn handed_over(&self, signature: u64, took: Duration, taken: bool, compiled_nodes: Option<usize>) {
         let mut fits = self.fits.lock().unwrap();
         let fit = fits.entry(signature).or_default();
@@ -566,8 +569,13 @@ fn program_eval_async<'a>(
         Some(found) => found,
         None => return Ok(crate::atoms::dirty().encode(env)),
     };
-    let pending =
-        ResourceArc::new(PendingEval { worker, outputs: Mutex::new(None), completion: Arc::default() });
+    let pending = ResourceArc::new(PendingEval {
+        worker,
+        outputs: Mutex::new(None),
+        completion: Arc::default(),
+        program: program.clone(),
+        signature,
+    });
     let done = Box::new(EvalDone {
         reply: Reply::new(env, reference),
         completion: pending.completion.clone(),
@@ -578,8 +586,8 @@ fn program_eval_async<'a>(
     let queued = {
         let _hold = crate::hold::Hold::cpu_stream();
         match &here {
-            Some(here) => ffi::compiled_eval_async(&here.0, &v, done),
-            None => ffi::program_eval_async(&program.spec.0, &v, done),
+            Some(here) => ffi::compiled_eval_async(&here.0, &v, fit.strided, done),
+            None => ffi::program_eval_async(&program.spec.0, &v, fit.strided, done),
         }
     };
     let out = queued.map_err(|e| {
@@ -625,7 +633,7 @@ fn program_eval_async<'a>(
     match progress.result.take() {
         Some(Ok(())) => {
             drop(progress);
-            Ok(take_outputs(&pending)?.encode(env))
+            take_outputs(env, &pending)
         }
         Some(Err(e)) => Err(crate::error::raise(&e)),
         None => {
@@ -642,6 +650,9 @@ pub struct PendingEval {
     /// The outputs, set before the NIF returns; taken once they are computed.
     outputs: Mutex<Option<cxx::UniquePtr<ffi::ArrayVec>>>,
     completion: Arc<Completion>,
+    /// The program and its inputs' signature, for what the outputs teach of it.
+    program: ResourceArc<ProgramResource>,
+    signature: u64,
 }
 
 // SAFETY: the outputs are not read from another thread before they are computed (they
@@ -724,23 +735,37 @@ pub fn eval_done(done: Box<EvalDone>, error: &str) {
 }
 
 /// `program_eval_take(pending)`: the outputs of a pending evaluation, once its `{ref,
-/// :ok}` has arrived, as evaluated tensors of the stream it was started for.
+/// :ok}` has arrived, as evaluated tensors of the stream it was started for; `:dirty`
+/// if they must be computed again there (see `take_outputs`).
 #[rustler::nif]
-fn program_eval_take(pending: ResourceArc<PendingEval>) -> NifResult<Vec<TensorArg>> {
+fn program_eval_take<'a>(env: Env<'a>, pending: ResourceArc<PendingEval>) -> NifResult<Term<'a>> {
     if pending.completion.progress.lock().unwrap().computed_at.is_none() {
         return Err(argument_error("program_eval_take: the evaluation has not finished"));
     }
-    take_outputs(&pending)
+    take_outputs(env, &pending)
 }
 
-fn take_outputs(pending: &PendingEval) -> NifResult<Vec<TensorArg>> {
+/// The computed outputs of `pending` as tensors, or `:dirty` when one is not
+/// row-contiguous, as a tensor's evaluated array must be. `program_eval_async` builds
+/// the graph without MLX's `contiguous` until some output of the program has come out
+/// otherwise for these inputs' shapes (most never do, and each `contiguous` costs MLX's
+/// thread two tasks: some 7% of the time of bench/'s compiled MLP training step, whose
+/// 19 outputs each had one). Once one has, the program is noted to need it, and this
+/// run's outputs are dropped for `program_eval` to compute again on the dirty path,
+/// which copies those that are strided (a program has no side effects, and this happens
+/// once per signature).
+fn take_outputs<'a>(env: Env<'a>, pending: &PendingEval) -> NifResult<Term<'a>> {
     let out = pending
         .outputs
         .lock()
         .unwrap()
         .take()
         .ok_or_else(|| argument_error("program_eval_take: the outputs were taken already"))?;
-    Ok(evaluated_tensors(&pending.worker, out))
+    if !ffi::row_contiguous(&out) {
+        pending.program.fits.lock().unwrap().entry(pending.signature).or_default().strided = true;
+        return Ok(crate::atoms::dirty().encode(env));
+    }
+    Ok(evaluated_tensors(&pending.worker, out).encode(env))
 }
 
 /// Evaluated outputs as tensors of `worker`'s stream.
