@@ -2,10 +2,18 @@
 # dependency; see the README for running them). Soak and fuzz suites run at bounded sizes.
 # Tests tagged :non_finite compute NaN or infinities on purpose; a build with
 # EMILY_DEBUG=nan_inf rejects those results (as it is meant to), so it excludes them.
+# With a GPU, a test may wait for minutes the first time the suite runs on a machine: each
+# kernel's first use compiles it (NVRTC, cached on disk afterwards), and tests share the
+# default GPU stream, so one waits behind the others' compiles (test/GPU.md).
 nx? = Code.ensure_loaded?(Nx)
 Application.ensure_all_started(:emily)
+gpu? = :gpu in Emily.devices()
 exclude = if nx?, do: [], else: [:nx]
-exclude = if :gpu in Emily.devices(), do: exclude, else: [:gpu | exclude]
+exclude = if gpu?, do: exclude, else: [:gpu | exclude]
 exclude = if Emily.Debug.detect_nan_inf?(), do: [:non_finite | exclude], else: exclude
 
-ExUnit.start(exclude: exclude, formatters: [ExUnit.CLIFormatter, Emily.SkipReport])
+ExUnit.start(
+  exclude: exclude,
+  timeout: if(gpu?, do: 300_000, else: 60_000),
+  formatters: [ExUnit.CLIFormatter, Emily.SkipReport]
+)
