@@ -88,7 +88,7 @@ std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const Arra
   return out;
 }
 
-void program_finish_here(ArrayVec& outputs, int32_t device) { evaluate_row_contiguous(outputs.items, here(device)); }
+bool program_finish_here(ArrayVec& outputs, int32_t device) { return evaluate_row_contiguous(outputs.items, here(device)); }
 
 // The outputs on this thread's CPU stream `s`, each ending in MLX's `contiguous`, for a
 // program_eval_async whose outputs may come out strided: they leave as plain bytes, and

@@ -56,9 +56,10 @@ std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inp
 // Replays on the calling thread's own default stream of `device` and hands the graph to
 // MLX for evaluation (MLX may wait there for earlier work); program_finish_here, on the
 // same thread, then waits for the outputs and makes them row-contiguous, so that they
-// may cross threads. Two calls, so that the hand-over can be timed.
+// may cross threads (true if one had to be copied). Two calls, so that the hand-over can
+// be timed.
 std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device);
-void program_finish_here(ArrayVec& outputs, int32_t device);
+bool program_finish_here(ArrayVec& outputs, int32_t device);
 // The CPU device's asynchronous form of those two: replays on the calling
 // thread's own default CPU stream, hands the evaluation to MLX's thread for that stream
 // and returns the outputs at once (with `contiguous`, each made row-contiguous by the

@@ -29,7 +29,7 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
 
 std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<array>(a); }
 
-void evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
+bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
   mx::eval(arrays);
   bool strided = false;
   for (auto& a : arrays) {
@@ -39,6 +39,7 @@ void evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
     }
   }
   if (strided) mx::eval(arrays);
+  return strided;
 }
 
 std::unique_ptr<array> export_array(const array& a, const Stream& s) {

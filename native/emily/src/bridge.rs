@@ -89,7 +89,7 @@ pub mod ffi {
             inputs: &ArrayVec,
             device: i32,
         ) -> Result<UniquePtr<ArrayVec>>;
-        fn program_finish_here(outputs: Pin<&mut ArrayVec>, device: i32) -> Result<()>;
+        fn program_finish_here(outputs: Pin<&mut ArrayVec>, device: i32) -> Result<bool>;
         fn program_eval_async(
             p: &ProgramSpec,
             inputs: &ArrayVec,

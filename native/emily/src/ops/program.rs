@@ -328,7 +328,10 @@ fn program_eval<'a>(
         if worker.device == Device::Cpu {
             program.handed_over(signature, start.elapsed(), false, nodes);
         }
-        ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
+        let copied = ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
+        if copied && worker.device == Device::Cpu {
+            program.fits.lock().unwrap().entry(signature).or_default().strided = true;
+        }
         check_outputs(OP, &out, program.outputs)?;
         Ok::<_, Error>(evaluated_tensors(&worker, out))
     });
@@ -387,8 +390,8 @@ struct Fit {
     compiled: bool,
     /// The depth of its graph (measured once, for a compiled program).
     depth: Option<usize>,
-    /// Whether an output of it came out of `program_eval_async` other than row-contiguous
-    /// (a transpose's, say): that NIF then ends each output in MLX's `contiguous`.
+    /// Whether an output of it came out other than row-contiguous (a transpose's, say), on
+    /// either path: `program_eval_async` then ends each output in MLX's `contiguous`.
     strided: bool,
 }
 
@@ -749,11 +752,11 @@ fn program_eval_take<'a>(env: Env<'a>, pending: ResourceArc<PendingEval>) -> Nif
 /// row-contiguous, as a tensor's evaluated array must be. `program_eval_async` builds
 /// the graph without MLX's `contiguous` until some output of the program has come out
 /// otherwise for these inputs' shapes (most never do, and each `contiguous` costs MLX's
-/// thread two tasks: some 7% of the time of bench/'s compiled MLP training step, whose
-/// 19 outputs each had one). Once one has, the program is noted to need it, and this
-/// run's outputs are dropped for `program_eval` to compute again on the dirty path,
-/// which copies those that are strided (a program has no side effects, and this happens
-/// once per signature).
+/// thread two tasks: some 4% of the time of bench/'s compiled MLP training step, whose
+/// 19 outputs each had one). Once one has (on either path), the program is noted to need
+/// it; if it is this run's, its outputs are dropped for `program_eval` to compute again
+/// on the dirty path, which copies those that are strided (a program has no side
+/// effects, and this happens at most once per signature).
 fn take_outputs<'a>(env: Env<'a>, pending: &PendingEval) -> NifResult<Term<'a>> {
     let out = pending
         .outputs
