@@ -158,9 +158,13 @@ if Code.ensure_loaded?(Nx) do
 
       case lowered(key, vars, fun, opts, device) do
         {:ok, {plan, template, checks}} ->
+          # The bytes of a run's results, for the process's collection
+          # (Emily.Memory.created/1): the same for every run of the program.
+          bytes = Nx.Defn.Composite.reduce(template, 0, &(Nx.byte_size(&1) + &2))
+
           fn args_list ->
             Emily.Memory.collect_due()
-            Enum.map(args_list, &run_native(plan, template, checks, &1, opts))
+            Enum.map(args_list, &run_native(plan, template, bytes, checks, &1, opts))
           end
 
         {:unsupported, reason} ->
@@ -287,7 +291,7 @@ if Code.ensure_loaded?(Nx) do
       {:unsupported, reason} -> {:unsupported, reason}
     end
 
-    defp run_native(plan, template, checks, args, opts) do
+    defp run_native(plan, template, bytes, checks, args, opts) do
       s =
         opts[:stream] || Emily.Stream.selected() ||
           if(device = opts[:device],
@@ -308,23 +312,19 @@ if Code.ensure_loaded?(Nx) do
             refs
         end
 
+      Emily.Memory.created(bytes)
       results(template, refs, s)
     end
 
-    # The outputs in the template's container (a lone tensor is the common case),
-    # counted for the process's collection (Emily.Memory.created/1).
-    defp results(%Nx.Tensor{} = t, [ref], s) do
-      Emily.Memory.created(Nx.byte_size(t))
-      %{t | data: %Emily.Backend{ref: ref, stream: s}}
-    end
+    # The outputs in the template's container (a lone tensor is the common case).
+    defp results(%Nx.Tensor{} = t, [ref], s), do: %{t | data: %Emily.Backend{ref: ref, stream: s}}
 
     defp results(template, refs, s) do
-      {result, {[], bytes}} =
-        Nx.Defn.Composite.traverse(template, {refs, 0}, fn t, {[ref | rest], bytes} ->
-          {%{t | data: %Emily.Backend{ref: ref, stream: s}}, {rest, bytes + Nx.byte_size(t)}}
+      {result, []} =
+        Nx.Defn.Composite.traverse(template, refs, fn t, [ref | rest] ->
+          {%{t | data: %Emily.Backend{ref: ref, stream: s}}, rest}
         end)
 
-      Emily.Memory.created(bytes)
       result
     end
 

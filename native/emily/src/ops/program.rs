@@ -330,7 +330,7 @@ fn program_eval<'a>(
         }
         let copied = ffi::program_finish_here(out.pin_mut(), device).map_err(|e| mlx_error(OP, e, &refs))?;
         if copied && worker.device == Device::Cpu {
-            program.fits.lock().unwrap().entry(signature).or_default().strided = true;
+            program.strided(signature);
         }
         check_outputs(OP, &out, program.outputs)?;
         Ok::<_, Error>(evaluated_tensors(&worker, out))
@@ -441,6 +441,11 @@ impl ProgramResource {
         let c = Arc::new(Compiled(ffi::program_compile(&self.spec.0, id, device as i32)?));
         *compiled = Some(c.clone());
         Ok(c)
+    }
+
+    /// Notes that an output came out strided for inputs of `signature` (`Fit::strided`).
+    fn strided(&self, signature: u64) {
+        self.fits.lock().unwrap().entry(signature).or_default().strided = true;
     }
 
     /// Notes a run's hand-over, and, for a compiled program's dirty run, that it is
@@ -765,7 +770,7 @@ fn take_outputs<'a>(env: Env<'a>, pending: &PendingEval) -> NifResult<Term<'a>> 
         .take()
         .ok_or_else(|| argument_error("program_eval_take: the outputs were taken already"))?;
     if !ffi::row_contiguous(&out) {
-        pending.program.fits.lock().unwrap().entry(pending.signature).or_default().strided = true;
+        pending.program.strided(pending.signature);
         return Ok(crate::atoms::dirty().encode(env));
     }
     Ok(evaluated_tensors(&pending.worker, out).encode(env))
