@@ -97,7 +97,7 @@ defmodule Bench.Defn do
       end) ++ Enum.map(extras, &{Emily.to_binary(&1), Emily.shape(&1), Emily.dtype(&1)})
 
     ^n_inputs = length(flat)
-    slug = String.replace(name, ~r/[^a-z0-9]+/, "_")
+    slug = name |> String.downcase() |> String.replace(~r/[^a-z0-9]+/, "_") |> String.trim("_")
 
     inputs =
       for {{data, shape, type}, i} <- Enum.with_index(flat) do

@@ -17,6 +17,7 @@
 # lengths split into a fixed cost per run and a cost per op; then `Program.eval` and
 # mx::compile against Python in paired windows (Bench.paired/6; `--pairs=N`, default 30).
 Code.require_file("support/bench.exs", __DIR__)
+Code.require_file("support/programs.exs", __DIR__)
 
 {pairs, argv} = Bench.pairs_option(System.argv())
 
@@ -28,27 +29,6 @@ Code.require_file("support/bench.exs", __DIR__)
   end
 
 defmodule Bench.Program do
-  def load(dir) do
-    for g <- :erlang.binary_to_term(File.read!(Path.join(dir, "graphs.etf"))) do
-      s = Emily.Stream.default(:cpu)
-
-      inputs =
-        for {path, shape, type} <- g.inputs do
-          Emily.from_binary(File.read!(Path.join(dir, Path.basename(path))), shape, type,
-            stream: s
-          )
-        end
-
-      Emily.eval(inputs)
-
-      program = fn compile ->
-        Emily.Program.new(g.instrs, inputs: length(inputs), outputs: g.outputs, compile: compile)
-      end
-
-      Map.merge(g, %{tensors: inputs, plain: program.(false), compiled: program.(true), stream: s})
-    end
-  end
-
   def emily_pass(g) do
     read = fn outs -> Enum.each(outs, &Emily.to_binary/1) end
     opts = [stream: g.stream]
@@ -98,7 +78,7 @@ defmodule Bench.Program do
   def r(x), do: :erlang.float_to_binary(x, decimals: 2)
 end
 
-graphs = Enum.map(Bench.Program.load(dir), &Map.put(&1, :dir, dir))
+graphs = Enum.map(Bench.Programs.load(dir), &Map.put(&1, :dir, dir))
 paths = ["Program.eval", "Program.run + read", "mx::compile"]
 
 passes =

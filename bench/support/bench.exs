@@ -170,7 +170,11 @@ defmodule Bench do
     end
   end
 
-  defp python_window(port, name, reps, warm) do
+  @doc """
+  Asks the server (`python_server/3`) for one window: the mean microseconds per run of
+  `reps` runs of graph `name`, after untimed runs for `warm` ms.
+  """
+  def python_window(port, name, reps, warm) do
     Port.command(port, "#{name} #{reps} #{warm}\n")
 
     receive do
