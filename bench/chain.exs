@@ -12,7 +12,7 @@
 # order rotated from round to round; the table gives each figure's median over rounds
 # and the per-round ratios to Python's. MLX is found as the NIF's build finds it
 # (`EMILY_MLX_DIR`, else `$EMILY_CACHE/current`); Python's `mlx` package in
-# `EMILY_PYTHONPATH` (default the same folder); both external programs preload
+# `EMILY_PYTHONPATH` (default `$EMILY_CACHE/current`); both external programs preload
 # `EMILY_BENCH_BLAS` (default `libopenblas.so.0`), as the NIF links OpenBLAS.
 Code.require_file("support/bench.exs", __DIR__)
 
@@ -63,27 +63,25 @@ case System.cmd(
   {out, _} -> raise "bench/chain.cc did not build against the MLX in #{mlx}:\n#{out}"
 end
 
-parse = fn out ->
+# Each external side prints `n mean_us` for the length it is given.
+external = fn run ->
+  Map.new(lengths, fn n -> {n, run.(["#{reps[n]}", "#{n}"])["#{n}"]} end)
+end
+
+cpp = fn args ->
+  {out, 0} = System.cmd(exe, args, env: [{"LD_PRELOAD", blas}])
+
   for line <- String.split(out, "\n", trim: true), into: %{} do
     [n, us] = String.split(line)
-    {String.to_integer(n), String.to_float(us)}
+    {n, String.to_float(us)}
   end
 end
 
-external = fn cmd, args, env ->
-  Map.new(lengths, fn n ->
-    {out, 0} = System.cmd(cmd, args ++ ["#{reps[n]}", "#{n}"], env: [{"LD_PRELOAD", blas} | env])
-    {n, parse.(out)[n]}
-  end)
-end
+python = &Bench.python(Path.join(__DIR__, "chain.py"), &1, [{"LD_PRELOAD", blas}])
 
 sides = %{
-  "C++" => fn -> external.(exe, [], []) end,
-  "Python" => fn ->
-    external.("python3", [Path.join(__DIR__, "chain.py")], [
-      {"PYTHONPATH", System.get_env("EMILY_PYTHONPATH", mlx)}
-    ])
-  end,
+  "C++" => fn -> external.(cpp) end,
+  "Python" => fn -> external.(python) end,
   "Emily" => fn ->
     s = Emily.Stream.default(:cpu)
     x = input.(s)
@@ -118,7 +116,6 @@ results =
   end
 
 File.rm(exe)
-median = fn xs -> xs |> Enum.sort() |> Enum.at(div(length(xs), 2)) end
 fmt = fn x -> :erlang.float_to_binary(x / 1, decimals: 2) end
 
 IO.puts("""
@@ -130,12 +127,12 @@ MLX #{Emily.mlx_version()}, CPU device; #{:erlang.system_info(:logical_processor
 """)
 
 for name <- names do
-  get = fn k -> median.(Enum.map(results, & &1[name][k])) end
+  get = fn k -> Bench.median(Enum.map(results, & &1[name][k])) end
   ratios = Enum.map(results, &(&1[name].per_op / &1["Python"].per_op))
 
   IO.puts(
     "| #{name} | #{fmt.(get.(16))} us | #{fmt.(get.(256))} us | #{fmt.(get.(:fixed))} us | " <>
       "#{:erlang.float_to_binary(get.(:per_op), decimals: 3)} us | " <>
-      "#{fmt.(median.(ratios))} (#{fmt.(Enum.min(ratios))}-#{fmt.(Enum.max(ratios))}) |"
+      "#{fmt.(Bench.median(ratios))} (#{fmt.(Enum.min(ratios))}-#{fmt.(Enum.max(ratios))}) |"
   )
 end

@@ -143,16 +143,15 @@ for {label, {batch, din, hidden, dout}, reps} <- [
         Map.update(acc, name, [t], &[t | &1])
     end
 
-  median = fn ts -> ts |> Enum.sort() |> Enum.at(div(length(ts), 2)) end
   [{first, _} | _] = rows
-  base = median.(times[first])
+  base = Bench.median(times[first])
 
   IO.puts("\n#{label} #{batch}x#{din}-#{hidden}-#{hidden}-#{dout}, #{reps} calls a window")
   IO.puts("| call | median | best | median - first row's |")
   IO.puts("|---|---|---|---|")
 
   for {name, _} <- rows do
-    m = median.(times[name])
+    m = Bench.median(times[name])
 
     IO.puts(
       "| #{name} | #{Bench.DefnCall.fmt(m)} | #{Bench.DefnCall.fmt(Enum.min(times[name]))} | " <>

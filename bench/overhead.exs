@@ -92,8 +92,7 @@ defmodule Bench.Overhead do
 end
 
 {pairs, argv} = Bench.pairs_option(System.argv())
-{profiled, argv} = Enum.split_with(argv, &String.starts_with?(&1, "--profiled="))
-profiled = Enum.reduce(profiled, 3, fn "--profiled=" <> k, _ -> String.to_integer(k) end)
+{profiled, argv} = Bench.int_option(argv, "profiled", 3)
 
 {runs, dir} =
   case argv do
@@ -153,12 +152,7 @@ for g <- graphs do
       {Bench.Overhead.split(emily, :emily), Bench.Overhead.split(python, :python)}
     end
 
-  median = fn side, k ->
-    windows
-    |> Enum.map(&(elem(&1, side)[k] / (n + 1)))
-    |> Enum.sort()
-    |> Enum.at(div(profiled, 2))
-  end
+  median = fn side, k -> Bench.median(Enum.map(windows, &(elem(&1, side)[k] / (n + 1)))) end
 
   e = Map.new([:host, :mlx, :rest], &{&1, median.(0, &1)})
   p = Map.new([:host, :mlx, :rest], &{&1, median.(1, &1)})

@@ -18,6 +18,8 @@
 #
 # Options (env): BENCH_SECONDS (default 1), BENCH_ROUNDS (default 7), BENCH_PROCS
 # (default 8), BENCH_STREAMS (default "1,2,4"), BENCH_MODES (default "ops,program").
+Code.require_file("support/bench.exs", __DIR__)
+
 alias Emily.Native, as: N
 
 seconds = String.to_integer(System.get_env("BENCH_SECONDS", "1"))
@@ -132,7 +134,6 @@ spin = fn n ->
   |> Enum.sum()
 end
 
-median = fn xs -> xs |> Enum.sort() |> Enum.at(div(length(xs), 2)) end
 configs = [{:host, 1}, {:host, 2}] ++ for mode <- modes, n <- stream_counts, do: {mode, n}
 
 samples =
@@ -147,7 +148,7 @@ host = Enum.zip_with(samples[{:host, 2}], samples[{:host, 1}], &(&1 / &2))
 
 IO.puts(
   "host parallelism (2 busy Erlang processes over 1, same round): median " <>
-    "#{Float.round(median.(host), 2)}x, range #{Float.round(Enum.min(host), 2)}..#{Float.round(Enum.max(host), 2)}x"
+    "#{Float.round(Bench.median(host), 2)}x, range #{Float.round(Enum.min(host), 2)}..#{Float.round(Enum.max(host), 2)}x"
 )
 
 for mode <- modes do
@@ -159,9 +160,9 @@ for mode <- modes do
     ratios = Enum.zip_with(rates, base, &(&1 / &2))
 
     IO.puts(
-      "#{String.pad_trailing(to_string(mode), 8)} #{n} stream(s): #{Float.round(median.(rates), 1)} forwards/s " <>
-        "(#{Float.round(median.(rates) * flops / 1.0e9, 2)} GFLOP/s); vs #{first} stream(s) in the same round: " <>
-        "median #{Float.round(median.(ratios), 2)}x, range #{Float.round(Enum.min(ratios), 2)}..#{Float.round(Enum.max(ratios), 2)}x"
+      "#{String.pad_trailing(to_string(mode), 8)} #{n} stream(s): #{Float.round(Bench.median(rates), 1)} forwards/s " <>
+        "(#{Float.round(Bench.median(rates) * flops / 1.0e9, 2)} GFLOP/s); vs #{first} stream(s) in the same round: " <>
+        "median #{Float.round(Bench.median(ratios), 2)}x, range #{Float.round(Enum.min(ratios), 2)}..#{Float.round(Enum.max(ratios), 2)}x"
     )
   end
 end

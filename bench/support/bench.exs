@@ -89,15 +89,14 @@ defmodule Bench do
         end
       end
 
-    ratios = Enum.sort(for {e, p} <- times, do: e / p)
-    q = fn list, f -> Enum.at(list, min(length(list) - 1, trunc(f * length(list)))) end
+    ratios = for {e, p} <- times, do: e / p
 
     %{
-      emily: q.(Enum.sort(Enum.map(times, &elem(&1, 0))), 0.5),
-      python: q.(Enum.sort(Enum.map(times, &elem(&1, 1))), 0.5),
-      ratio: q.(ratios, 0.5),
-      q1: q.(ratios, 0.25),
-      q3: q.(ratios, 0.75),
+      emily: median(Enum.map(times, &elem(&1, 0))),
+      python: median(Enum.map(times, &elem(&1, 1))),
+      ratio: median(ratios),
+      q1: quantile(ratios, 0.25),
+      q3: quantile(ratios, 0.75),
       faster: Enum.count(ratios, &(&1 < 1.0)) / pairs
     }
   end
@@ -107,13 +106,28 @@ defmodule Bench do
     if System.monotonic_time(:millisecond) < until, do: warm_up(fun, until)
   end
 
+  @doc """
+  The `f` quantile of the numbers `xs` (0.5: the median; of an even count, the upper of
+  the two middle values).
+  """
+  def quantile(xs, f) do
+    sorted = Enum.sort(xs)
+    Enum.at(sorted, min(length(sorted) - 1, trunc(f * length(sorted))))
+  end
+
+  @doc "The median of `xs` (`quantile/2`)."
+  def median(xs), do: quantile(xs, 0.5)
+
   @doc "The `--pairs=N` option among a bench's arguments (default 30), and the others."
-  def pairs_option(argv) do
-    {flags, rest} = Enum.split_with(argv, &String.starts_with?(&1, "--pairs="))
+  def pairs_option(argv), do: int_option(argv, "pairs", 30)
+
+  @doc "The last `--NAME=N` option among a bench's arguments (else `default`), and the others."
+  def int_option(argv, name, default) do
+    {flags, rest} = Enum.split_with(argv, &String.starts_with?(&1, "--#{name}="))
 
     case List.last(flags) do
-      nil -> {30, rest}
-      "--pairs=" <> n -> {String.to_integer(n), rest}
+      nil -> {default, rest}
+      flag -> {flag |> String.split("=", parts: 2) |> List.last() |> String.to_integer(), rest}
     end
   end
 

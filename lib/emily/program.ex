@@ -85,12 +85,12 @@ defmodule Emily.Program do
   kernel not built before, kept in the system's temporary directory for later runs, and
   falls back to unfused code without a compiler). MLX's compile cache is thread-local:
   the compiled function is cached per thread and per input shapes and dtypes, and every
-  thread's entry is dropped when the program is garbage. Once a CPU program is compiled for some input shapes, `eval/3`
-  with inputs of those shapes may take the caller's own scheduler as above (if it has at
-  most 256 instructions, so that tracing it there is short): MLX's fused kernels are then
-  built, and that thread only traces the program. Its nodes are those
-  of its compiled form (a fused kernel is one), counted on the dirty path, where its
-  hand-over is timed too (the first such run includes the compiling).
+  thread's entry is dropped when the program is garbage. Once a CPU program is compiled
+  for some input shapes, `eval/3` with inputs of those shapes may take the caller's own
+  scheduler as above (if it has at most 256 instructions, so that tracing it there is
+  short): MLX's fused kernels are then built, and that thread only traces the program.
+  Its nodes are those of its compiled form (a fused kernel is one), counted on the dirty
+  path, where its hand-over is timed too (the first such run includes the compiling).
 
   `mx::compile`'s tracing recurses along the graph, some 200 bytes of stack per level
   of its depth: a compiled program whose graph is too deep for the calling thread's

@@ -101,11 +101,6 @@ static std::vector<array> for_export(std::vector<array> out, const Stream& s) {
   return out;
 }
 
-static std::vector<array> replay_for_export(const ProgramSpec& p, const std::vector<array>& inputs,
-                                           const Stream& s) {
-  return for_export(replay(p, inputs, s), s);
-}
-
 bool row_contiguous(const ArrayVec& v) {
   return std::all_of(v.items.begin(), v.items.end(), [](const array& a) { return a.flags().row_contiguous; });
 }
@@ -131,7 +126,8 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
                                              rust::Box<EvalDone> done) {
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = contiguous ? replay_for_export(p, inputs.items, s) : replay(p, inputs.items, s);
+  out->items = replay(p, inputs.items, s);
+  if (contiguous) out->items = for_export(std::move(out->items), s);
   eval_then(out->items, s, std::move(done));
   return out;
 }
@@ -290,7 +286,8 @@ std::unique_ptr<ArrayVec> compiled_eval_async(const Compiled& c, const ArrayVec&
   note_cache(c);
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = contiguous ? for_export(c.fn(inputs.items), s) : c.fn(inputs.items);
+  out->items = c.fn(inputs.items);
+  if (contiguous) out->items = for_export(std::move(out->items), s);
   eval_then(out->items, s, std::move(done));
   return out;
 }
