@@ -5,10 +5,14 @@
 # With a GPU, a test may wait for minutes the first time the suite runs on a machine: each
 # kernel's first use compiles it (NVRTC, cached on disk afterwards), and tests share the
 # default GPU stream, so one waits behind the others' compiles (test/GPU.md).
+# Suites tagged :training need Axon, and :conformance needs Bumblebee (both with Nx):
+# where they are absent those suites are excluded and counted like the :nx ones.
 nx? = Code.ensure_loaded?(Nx)
 Application.ensure_all_started(:emily)
 gpu? = :gpu in Emily.devices()
 exclude = if nx?, do: [], else: [:nx]
+exclude = if Code.ensure_loaded?(Axon), do: exclude, else: [:training | exclude]
+exclude = if Code.ensure_loaded?(Bumblebee), do: exclude, else: [:conformance | exclude]
 exclude = if gpu?, do: exclude, else: [:gpu | exclude]
 exclude = if Emily.Debug.detect_nan_inf?(), do: [:non_finite | exclude], else: exclude
 

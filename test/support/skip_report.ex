@@ -9,7 +9,7 @@ defmodule Emily.SkipReport do
   # (ExUnit names the filter that excluded a test: "due to nx filter".)
   def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, why}, tags: tags}}, counts) do
     tag =
-      Enum.find([:nx, :gpu, :non_finite, :soak, :fuzz], :other, fn tag ->
+      Enum.find([:nx, :conformance, :training, :gpu, :non_finite, :soak, :fuzz], :other, fn tag ->
         tags[tag] && why =~ "due to #{tag} filter"
       end)
 
@@ -27,6 +27,12 @@ defmodule Emily.SkipReport do
   def handle_cast(_event, counts), do: {:noreply, counts}
 
   defp reason(:nx), do: " (Nx is not loaded: run them where Nx is available, see README)"
+
+  defp reason(:conformance),
+    do:
+      " (Bumblebee is not loaded: run them where Hex is reachable, see test/conformance/README.md)"
+
+  defp reason(:training), do: " (Axon is not loaded: run them where Hex is reachable, see README)"
   defp reason(:gpu), do: " (no GPU device in this MLX build)"
 
   defp reason(:non_finite),
