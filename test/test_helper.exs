@@ -12,9 +12,12 @@ Application.ensure_all_started(:emily)
 gpu? = :gpu in Emily.devices()
 exclude = if nx?, do: [], else: [:nx]
 exclude = if Code.ensure_loaded?(Axon), do: exclude, else: [:training | exclude]
-exclude = if Code.ensure_loaded?(Bumblebee), do: exclude, else: [:conformance | exclude]
 exclude = if gpu?, do: exclude, else: [:gpu | exclude]
 exclude = if Emily.Debug.detect_nan_inf?(), do: [:non_finite | exclude], else: exclude
+# The conformance suites (test/conformance/README.md) are also opt-in where Bumblebee is
+# loaded, as they load and compile a dozen models: `mix test --only conformance`; the
+# full-size lanes (tagged :full) by their own tags, `mix test --only qwen3_full`.
+exclude = [:conformance, :full | exclude]
 
 ExUnit.start(
   exclude: exclude,

@@ -9,9 +9,13 @@ defmodule Emily.SkipReport do
   # (ExUnit names the filter that excluded a test: "due to nx filter".)
   def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, why}, tags: tags}}, counts) do
     tag =
-      Enum.find([:nx, :conformance, :training, :gpu, :non_finite, :soak, :fuzz], :other, fn tag ->
-        tags[tag] && why =~ "due to #{tag} filter"
-      end)
+      Enum.find(
+        [:nx, :conformance, :full, :training, :gpu, :non_finite, :soak, :fuzz],
+        :other,
+        fn tag ->
+          tags[tag] && why =~ "due to #{tag} filter"
+        end
+      )
 
     {:noreply, Map.update(counts, tag, 1, &(&1 + 1))}
   end
@@ -28,15 +32,21 @@ defmodule Emily.SkipReport do
 
   defp reason(:nx), do: " (Nx is not loaded: run them where Nx is available, see README)"
 
-  defp reason(:conformance),
-    do:
-      " (Bumblebee is not loaded: run them where Hex is reachable, see test/conformance/README.md)"
+  defp reason(:conformance) do
+    if Code.ensure_loaded?(Bumblebee),
+      do: " (opt-in: run them with mix test --only conformance)",
+      else:
+        " (Bumblebee is not loaded: run them where Hex is reachable, see test/conformance/README.md)"
+  end
 
   defp reason(:training), do: " (Axon is not loaded: run them where Hex is reachable, see README)"
   defp reason(:gpu), do: " (no GPU device in this MLX build)"
 
   defp reason(:non_finite),
     do: " (they compute NaN or infinities, which EMILY_DEBUG=nan_inf rejects by design)"
+
+  defp reason(:full),
+    do: " (full-size checkpoints, opt-in by tag: see test/conformance/README.md)"
 
   defp reason(_), do: ""
 end
