@@ -7,6 +7,7 @@ defmodule Emily.DoctorTest do
 
     assert out =~ "on MLX #{Emily.mlx_version()}"
     assert out =~ "BLAS for MLX's CPU matmuls:"
+    assert out =~ "MLX's compiled kernels: #{Emily.KernelCache.dir()} (private"
 
     for device <- Emily.devices() do
       assert out =~ "\n#{device}:\n"

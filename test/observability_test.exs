@@ -16,8 +16,8 @@ defmodule Emily.ObservabilityTest do
       assert Emily.Telemetry.to_binary_metadata(x) == %{tensor: x}
       assert Emily.Telemetry.to_binary_stop(<<0::64>>) == {%{bytes: 8}, %{}}
 
-      assert Emily.Telemetry.fallback_metadata(:window_sum, [{{2, 3}, {:f, 32}}]) ==
-               %{op: :window_sum, inputs: [{{2, 3}, {:f, 32}}]}
+      assert Emily.Telemetry.fallback_metadata(:reduce, [{{3}, {:s, 32}}, {{}, {:s, 32}}]) ==
+               %{op: :reduce, shapes: [{3}, {}], types: [{:s, 32}, {:s, 32}]}
 
       stats = Emily.Memory.stats()
       measurements = Emily.Telemetry.memory_measurements(Map.put(stats, :other, 1))
@@ -88,66 +88,149 @@ defmodule Emily.ObservabilityTest do
 
   describe "Emily.Fallback" do
     setup do
-      previous = Application.get_env(:emily, :warn_on_fallback)
+      previous = Map.new([:fallback, :warn_on_fallback], &{&1, Application.fetch_env(:emily, &1)})
       Emily.Fallback.reset()
 
       on_exit(fn ->
-        if previous == nil,
-          do: Application.delete_env(:emily, :warn_on_fallback),
-          else: Application.put_env(:emily, :warn_on_fallback, previous)
+        for {key, value} <- previous do
+          case value do
+            {:ok, v} -> Application.put_env(:emily, key, v)
+            :error -> Application.delete_env(:emily, key)
+          end
+        end
       end)
     end
 
-    test "warn_on_fallback logs once per op and input shapes" do
-      Application.put_env(:emily, :warn_on_fallback, true)
-      inputs = [{{2, 3}, {:f, 32}}, {{3}, {:s, 64}}]
+    @inputs [{{3}, {:s, 32}}, {{}, {:s, 32}}]
+
+    defp count(log, re), do: length(Regex.scan(re, log))
+
+    test ":silent (the default) runs the fallback and logs nothing" do
+      Application.delete_env(:emily, :fallback)
+      Application.delete_env(:emily, :warn_on_fallback)
+      assert Emily.Fallback.mode() == :silent
+
+      log = capture_log(fn -> assert Emily.Fallback.span(:reduce, @inputs, fn -> 6 end) == 6 end)
+      assert log == ""
+    end
+
+    test ":warn logs once per op and input types and shapes" do
+      Application.put_env(:emily, :fallback, :warn)
 
       log =
         capture_log(fn ->
-          for _ <- 1..3, do: Emily.Fallback.warn_once(:window_max, inputs)
+          for _ <- 1..3, do: assert(Emily.Fallback.span(:reduce, @inputs, fn -> :ran end) == :ran)
         end)
 
-      assert length(Regex.scan(~r/window_max has no MLX path/, log)) == 1
-      assert log =~ "f32[2, 3], s64[3]"
+      assert count(log, ~r/reduce on s32\{3\}, s32\{\} falls back to Nx.BinaryBackend/) == 1
 
       # Another shape, or another op, warns again (once).
       log =
         capture_log(fn ->
           for _ <- 1..2 do
-            Emily.Fallback.warn_once(:window_max, [{{4}, {:f, 32}}])
-            Emily.Fallback.warn_once(:window_min, inputs)
+            Emily.Fallback.span(:reduce, [{{4}, {:s, 32}}], fn -> :ok end)
+            Emily.Fallback.span(:window_reduce, @inputs, fn -> :ok end)
+            Emily.Fallback.span(:reduce, @inputs, fn -> :ok end)
           end
         end)
 
-      assert length(Regex.scan(~r/window_max has no MLX path/, log)) == 1
-      assert length(Regex.scan(~r/window_min has no MLX path/, log)) == 1
+      assert count(log, ~r/reduce on s32\{4\} falls back/) == 1
+      assert count(log, ~r/window_reduce on s32\{3\}, s32\{\} falls back/) == 1
+      assert count(log, ~r/ reduce on s32\{3\}/) == 0
+
+      assert capture_log(fn -> Emily.Fallback.span(:iota, [], fn -> :ok end) end) =~
+               "iota on no tensor inputs falls back"
     end
 
-    test "nothing is logged unless configured" do
-      Application.put_env(:emily, :warn_on_fallback, false)
-      assert capture_log(fn -> Emily.Fallback.warn_once(:window_max, []) end) == ""
-      Application.delete_env(:emily, :warn_on_fallback)
-      assert capture_log(fn -> Emily.Fallback.warn_once(:window_max, []) end) == ""
+    test ":raise raises instead of running the fallback" do
+      Application.put_env(:emily, :fallback, :raise)
+
+      assert_raise ArgumentError,
+                   "Emily.Backend has no native path for reduce on s32{3}, s32{} " <>
+                     "(config :emily, :fallback is :raise)",
+                   fn -> Emily.Fallback.span(:reduce, @inputs, fn -> flunk("ran") end) end
     end
 
-    test "span/3 returns the fallback's result, warns once, and passes exceptions on" do
+    test "warn_on_fallback: true is read as :warn, with a deprecation warning, once" do
+      Application.put_env(:emily, :fallback, :silent)
       Application.put_env(:emily, :warn_on_fallback, true)
 
       log =
         capture_log(fn ->
-          assert Emily.Fallback.span(:fft2, [{{4, 4}, {:c, 64}}], fn -> :computed end) ==
-                   :computed
-
-          assert Emily.Fallback.span(:fft2, [{{4, 4}, {:c, 64}}], fn -> :again end) == :again
+          assert Emily.Fallback.mode() == :warn
+          for _ <- 1..3, do: Emily.Fallback.span(:reduce, @inputs, fn -> :ok end)
         end)
 
-      assert length(Regex.scan(~r/fft2 has no MLX path/, log)) == 1
+      assert count(log, ~r/warn_on_fallback: true is deprecated/) == 1
+      assert count(log, ~r/falls back to Nx.BinaryBackend/) == 1
 
-      capture_log(fn ->
-        assert_raise RuntimeError, "inner", fn ->
-          Emily.Fallback.span(:x, [], fn -> raise "inner" end)
+      # Both settings: one warning, in one wording.
+      Emily.Fallback.reset()
+      Application.put_env(:emily, :fallback, :warn)
+      log = capture_log(fn -> Emily.Fallback.span(:reduce, @inputs, fn -> :ok end) end)
+      assert count(log, ~r/\[warning\]/) == 1
+      assert log =~ "reduce on s32{3}, s32{} falls back to Nx.BinaryBackend"
+
+      # :raise wins over the old setting.
+      Application.put_env(:emily, :fallback, :raise)
+      assert Emily.Fallback.mode() == :raise
+    end
+
+    test "a :fallback setting that is none of the three is an error" do
+      Application.put_env(:emily, :fallback, :loud)
+
+      assert_raise ArgumentError, ~r/must be one of \[:silent, :warn, :raise\], got: :loud/, fn ->
+        Emily.Fallback.span(:reduce, @inputs, fn -> :ok end)
+      end
+    end
+
+    test "span/3 passes the fallback's exceptions on" do
+      Application.put_env(:emily, :fallback, :silent)
+
+      assert_raise RuntimeError, "inner", fn ->
+        Emily.Fallback.span(:x, [], fn -> raise "inner" end)
+      end
+    end
+
+    if Code.ensure_loaded?(:telemetry) do
+      test "span/3 emits the [:emily, :fallback, *] span with op, shapes and types" do
+        parent = self()
+        id = "emily-fallback-#{System.unique_integer()}"
+        events = for e <- [:start, :stop, :exception], do: [:emily, :fallback, e]
+        :telemetry.attach_many(id, events, fn e, m, md, _ -> send(parent, {e, m, md}) end, nil)
+        Application.put_env(:emily, :fallback, :silent)
+
+        try do
+          Emily.Fallback.span(:reduce, @inputs, fn -> :ok end)
+
+          assert_receive {[:emily, :fallback, :start], %{system_time: _},
+                          %{op: :reduce, shapes: [{3}, {}], types: [{:s, 32}, {:s, 32}]}}
+
+          assert_receive {[:emily, :fallback, :stop], %{duration: _}, %{op: :reduce}}
+          catch_error(Emily.Fallback.span(:x, [], fn -> raise "inner" end))
+          assert_receive {[:emily, :fallback, :exception], _, %{op: :x, kind: :error}}
+        after
+          :telemetry.detach(id)
         end
-      end)
+      end
+    end
+
+    if Code.ensure_loaded?(Nx) do
+      @tag :nx
+      test "Emily.Backend's fallbacks go through it: one setting, one warning" do
+        Application.put_env(:emily, :fallback, :warn)
+        Application.put_env(:emily, :warn_on_fallback, true)
+        # A reduce function that is not one op of its two arguments falls back.
+        sum = &Nx.reduce(&1, 0, fn a, b -> Nx.max(Nx.add(a, b), 0) end)
+        x = Nx.tensor([3, 1, 2], backend: Emily.Backend)
+
+        log = capture_log(fn -> for _ <- 1..2, do: assert(Nx.to_number(sum.(x)) == 6) end)
+        assert count(log, ~r/\[warning\]/) == 1
+        assert log =~ "Emily.Backend: reduce on s32{3}, s32{} falls back to Nx.BinaryBackend"
+
+        Application.put_env(:emily, :fallback, :raise)
+        assert_raise ArgumentError, ~r/no native path for reduce on s32\{3\}/, fn -> sum.(x) end
+      end
     end
   end
 

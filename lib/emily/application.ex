@@ -4,6 +4,17 @@ defmodule Emily.Application do
 
   @impl true
   def start(_type, _args) do
-    Supervisor.start_link([Emily.Stream.Defaults], strategy: :one_for_one, name: Emily.Supervisor)
+    # Before anything reaches MLX: its compiled kernels go to a folder only this user
+    # can write to (Emily.KernelCache), or Emily does not start.
+    case Emily.KernelCache.setup() do
+      :ok ->
+        Supervisor.start_link([Emily.Stream.Defaults],
+          strategy: :one_for_one,
+          name: Emily.Supervisor
+        )
+
+      {:error, message} ->
+        raise message
+    end
   end
 end

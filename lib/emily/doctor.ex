@@ -4,8 +4,9 @@ defmodule Emily.Doctor do
   without Mix (`Emily.Doctor.run/1`) where there is none, e.g. in a bundle.
 
   It reports the MLX version and variant (cpu, cuda13, cuda12, metal), the devices MLX
-  can use, the BLAS that MLX's CPU matmuls go to and, on CUDA, the headers MLX compiles
-  its kernels against; then runs on each device a matmul, an elementwise chain and a
+  can use, the BLAS that MLX's CPU matmuls go to, the folder MLX keeps the kernels it
+  compiles in (`Emily.KernelCache`) and, on CUDA, the headers MLX compiles its kernels
+  against; then runs on each device a matmul, an elementwise chain and a
   4-bit quantized matmul, checks their values against ones computed in Elixir or by an
   equivalent op, and reports GFLOP/s and GB/s.
 
@@ -45,6 +46,7 @@ defmodule Emily.Doctor do
     if String.starts_with?(variant, "cuda"),
       do: info("CUDA headers for MLX's JIT: #{cuda_headers(site, variant)}")
 
+    info("MLX's compiled kernels: #{Emily.KernelCache.dir()} (private; see Emily.KernelCache)")
     info("malloc for MLX's CPU buffers: #{malloc()}")
     info("polling after waited-for work: #{Emily.Stream.spin_us()} us (config :emily, spin_us)")
 

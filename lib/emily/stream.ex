@@ -246,7 +246,10 @@ defmodule Emily.Stream.Defaults do
   end
 
   defp start(device) do
-    Emily.Native.stream_new(device)
+    stream = Emily.Native.stream_new(device)
+    # The NIF then refuses to release it, whoever asks.
+    :ok = Emily.Native.stream_pin(stream)
+    stream
   rescue
     ArgumentError -> nil
   end

@@ -25,9 +25,10 @@ defmodule Emily.Telemetry do
       `bytes` (the size of the binary).
 
     * `[:emily, :fallback, :start | :stop | :exception]` — an op that `Emily.Backend`
-      runs on another backend because MLX has no path for it (emitted through
-      `Emily.Fallback.span/3`). Metadata: `op` (the op's name, an atom) and `inputs`
-      (a list describing the inputs, e.g. `[{{2, 3}, {:f, 32}}]`).
+      runs on `Nx.BinaryBackend` because MLX has no path for it (`Emily.Fallback`, whose
+      `config :emily, :fallback` setting can also make it warn or raise). Metadata: `op`
+      (the callback's name, an atom), `shapes` and `types` (those of its tensor inputs,
+      in order, e.g. `[{3}, {}]` and `[{:s, 32}, {:s, 32}]`).
 
     * `[:emily, :memory, :collect]` — a single event: a process's garbage was collected
       because the results `Emily.Backend` and `Emily.Compiler` handed it passed the
@@ -106,8 +107,10 @@ defmodule Emily.Telemetry do
   def to_binary_stop(binary) when is_binary(binary), do: {%{bytes: byte_size(binary)}, %{}}
 
   @doc false
-  def fallback_metadata(op, inputs) when is_atom(op) and is_list(inputs),
-    do: %{op: op, inputs: inputs}
+  def fallback_metadata(op, inputs) when is_atom(op) and is_list(inputs) do
+    {shapes, types} = Enum.unzip(inputs)
+    %{op: op, shapes: shapes, types: types}
+  end
 
   @doc false
   def memory_measurements(%{} = stats),

@@ -399,12 +399,10 @@ defmodule Emily.Native.ElementwiseTest do
         floor: z,
         ceil: z,
         trunc: z,
-        expm1: z,
-        sigmoid: z,
+        # (expm1, sigmoid and cbrt are composed for complex: bad_input_test.exs.)
         erf: z,
         erfinv: z,
         erfc: z,
-        cbrt: z,
         bitwise_invert: f,
         population_count: f,
         count_leading_zeros: t([true], :bool)
@@ -430,7 +428,8 @@ defmodule Emily.Native.ElementwiseTest do
         assert e.message =~ "#{op}:"
       end
 
-      for op <- [:fmod, :remainder, :arctan2, :trunc_divide] do
+      # (arctan2 is composed for complex: bad_input_test.exs.)
+      for op <- [:fmod, :remainder, :trunc_divide] do
         e = assert_raise Emily.Error, fn -> l(apply(N, op, [s(), z, z])) end
         assert e.message =~ "#{op}:"
       end

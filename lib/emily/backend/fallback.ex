@@ -7,13 +7,10 @@ if Code.ensure_loaded?(Nx) do
     # *default* backend inside window_reduce, conv and window_scatter_*), and the result
     # goes back into MLX on the op's stream.
     #
-    # `config :emily, :fallback, :silent | :warn | :raise` chooses what a fallback does
-    # besides running; `[:emily, :fallback, :start | :stop]` telemetry reports each one.
+    # What a fallback does besides running (warn, raise) and its telemetry span are
+    # Emily.Fallback's: `config :emily, :fallback`.
 
-    require Logger
     alias Nx.Tensor, as: T
-
-    @telemetry? Code.ensure_loaded?(:telemetry)
 
     @doc """
     Applies `Nx.BinaryBackend.op(out, args...)`, with the Emily tensors in `args` (also
@@ -22,37 +19,18 @@ if Code.ensure_loaded?(Nx) do
     as it is.
     """
     def run(op, [out | args], back) do
-      mode = Application.get_env(:emily, :fallback, :silent)
-      meta = %{op: op, shapes: shapes(args), types: types(args)}
+      inputs = for t <- tensors(args), do: {t.shape, t.type}
 
-      case mode do
-        :raise ->
-          raise ArgumentError,
-                "Emily.Backend has no native path for #{op} on #{describe(meta)} " <>
-                  "(config :emily, :fallback is :raise)"
+      Emily.Fallback.span(op, inputs, fn ->
+        args = Enum.map(args, &to_binary_backend/1)
 
-        :warn ->
-          Logger.warning(
-            "Emily.Backend: #{op} on #{describe(meta)} falls back to Nx.BinaryBackend"
-          )
+        result =
+          Nx.with_default_backend(Nx.BinaryBackend, fn ->
+            apply(Nx.BinaryBackend, op, [out | args])
+          end)
 
-        _ ->
-          :ok
-      end
-
-      start = System.monotonic_time()
-      emit([:emily, :fallback, :start], %{system_time: System.system_time()}, meta)
-
-      args = Enum.map(args, &to_binary_backend/1)
-
-      result =
-        Nx.with_default_backend(Nx.BinaryBackend, fn ->
-          apply(Nx.BinaryBackend, op, [out | args])
-        end)
-
-      result = from_binary_backend(result, back)
-      emit([:emily, :fallback, :stop], %{duration: System.monotonic_time() - start}, meta)
-      result
+        from_binary_backend(result, back)
+      end)
     end
 
     defp to_binary_backend(%T{data: %Emily.Backend{}} = t) do
@@ -78,29 +56,9 @@ if Code.ensure_loaded?(Nx) do
       tuple |> Tuple.to_list() |> Enum.map(&from_binary_backend(&1, back)) |> List.to_tuple()
     end
 
-    defp shapes(args), do: for(t <- tensors(args), do: t.shape)
-    defp types(args), do: for(t <- tensors(args), do: t.type)
-
     defp tensors([%T{} = t | rest]), do: [t | tensors(rest)]
     defp tensors([list | rest]) when is_list(list), do: tensors(list) ++ tensors(rest)
     defp tensors([_ | rest]), do: tensors(rest)
     defp tensors([]), do: []
-
-    defp describe(%{shapes: shapes, types: types}) do
-      Enum.zip_with(shapes, types, fn shape, type ->
-        "#{Nx.Type.to_string(type)}#{inspect(shape)}"
-      end)
-      |> Enum.join(", ")
-      |> case do
-        "" -> "no tensor inputs"
-        s -> s
-      end
-    end
-
-    if @telemetry? do
-      defp emit(event, measurements, meta), do: :telemetry.execute(event, measurements, meta)
-    else
-      defp emit(_event, _measurements, _meta), do: :ok
-    end
   end
 end

@@ -74,8 +74,13 @@ defmodule Emily.Backend.Ops do
   # computes them on Nx.BinaryBackend (and the native path does not lower them).
   @f64_imprecise [:exp, :sin, :cos, :erf, :erfc, :sigmoid]
 
-  # Nx's tie_break: :low takes the first of equal values, :high the last.
-  @arg_reduce %{argmax: {:argmax, :argmax_last}, argmin: {:argmin, :argmin_last}}
+  # Nx's tie_break: :low takes the first of equal values, :high the last. With NaN (Nx
+  # documents any NaN, the tie-break not applying), both report the last NaN, as
+  # Nx.BinaryBackend does.
+  @arg_reduce %{
+    argmax: {:argmax_nan_last, :argmax_last},
+    argmin: {:argmin_nan_last, :argmin_last}
+  }
 
   @scatter %{indexed_put: :scatter, indexed_add: :scatter_add}
 

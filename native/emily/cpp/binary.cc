@@ -1,6 +1,7 @@
 // Binary ops composed from MLX ops. Each stays lazy: it only adds graph nodes.
 #include "binary.h"
 
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 #include <utility>
@@ -126,6 +127,23 @@ array right_shift_safe(const array& a, const array& b, const Stream& s) {
   }
   auto count = where(args->out_of_range, array(0, t), args->b, s);
   return where(args->out_of_range, array(0, t), right_shift(args->a, count, s), s);
+}
+
+}  // namespace emily
+
+namespace emily {
+
+array arctan2_any(const array& a, const array& b, const Stream& s) {
+  namespace mx = mlx::core;
+  bool ca = mx::issubdtype(a.dtype(), mx::complexfloating), cb = mx::issubdtype(b.dtype(), mx::complexfloating);
+  if (!ca && !cb) return mx::arctan2(a, b, s);
+  // Nx's Complex.atan2 is the real atan2 of two real-valued complex numbers (it raises
+  // for any other): a non-zero imaginary part gives NaN here.
+  auto za = mx::astype(a, mx::complex64, s), zb = mx::astype(b, mx::complex64, s);
+  auto zero = mx::array(0.0f);
+  auto real_valued = mx::logical_and(mx::equal(mx::imag(za, s), zero, s), mx::equal(mx::imag(zb, s), zero, s), s);
+  auto angle = mx::where(real_valued, mx::arctan2(mx::real(za, s), mx::real(zb, s), s), mx::array(NAN), s);
+  return mx::astype(angle, mx::complex64, s);
 }
 
 }  // namespace emily

@@ -18,5 +18,8 @@ array trunc_divide(const array& a, const array& b, const Stream& s);
 // left shift and the sign fill (0 or -1) for a right shift.
 array left_shift_safe(const array& a, const array& b, const Stream& s);
 array right_shift_safe(const array& a, const array& b, const Stream& s);
+// arctan2, composed for complex64 inputs (MLX has no complex kernel): the real angle of
+// two real-valued complex numbers, NaN where either has an imaginary part.
+array arctan2_any(const array& a, const array& b, const Stream& s);
 
 }  // namespace emily

@@ -65,6 +65,8 @@ array conv_general(const array& input, const array& weight, std::vector<int> str
     throw std::invalid_argument("[conv] input must have rank >= 3 ([N, spatial..., C]), got rank " +
                                 std::to_string(input.ndim()));
   }
+  // MLX divides the channels by the group count unchecked (groups 0 traps).
+  if (groups < 1) throw std::invalid_argument("[conv] groups must be >= 1, got " + std::to_string(groups));
   size_t sp = input.ndim() - 2;
   stride = or_fill(stride, sp, 1, "stride");
   padding_lo = or_fill(padding_lo, sp, 0, "padding_lo");
@@ -94,6 +96,18 @@ array conv_general(const array& input, const array& weight, std::vector<int> str
     x = mx::pad(x, pads, mx::array(0, x.dtype()), "constant", s);
     padding_lo[i] = 0;
     padding_hi[i] = 0;
+  }
+
+  // No input channels: MLX's kernels divide by the channel count (a trap). Each output
+  // is then an empty sum, 0: one zero channel per group on both sides computes exactly
+  // that, and keeps MLX's channel and group checks meaningful.
+  if (x.shape(-1) == 0 && weight.ndim() == x.ndim() && weight.shape(-1) == 0) {
+    std::vector<std::pair<int, int>> px(x.ndim(), {0, 0}), pw(weight.ndim(), {0, 0});
+    px.back() = {0, groups};
+    pw.back() = {0, 1};
+    array w = mx::pad(weight, pw, mx::array(0, weight.dtype()), "constant", s);
+    return conv_general(mx::pad(x, px, mx::array(0, x.dtype()), "constant", s), w, stride, padding_lo, padding_hi,
+                        kernel_dilation, input_dilation, groups, flip, s);
   }
 
   if (groups > 1 && sp == 3) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -57,6 +58,9 @@ inline mlx::core::array quantized_matmul_checked(mlx::core::array out, const mlx
                                                  int group_size, int bits, const std::string& mode,
                                                  mlx::core::StreamOrDevice s) {
   namespace mx = mlx::core;
+  // MLX's CPU quantized matmul divides by the sizes of its operands: an empty x or w
+  // (no rows, or no columns) traps. The product is then all zeros (or empty).
+  if (x.size() == 0 || w.size() == 0) return mx::zeros(out.shape(), out.dtype(), s);
   if (!transpose || mode != "affine" || x.ndim() == 0 || x.shape(-1) > group_size ||
       mx::to_stream(s).device != mx::Device::gpu || mx::metal::is_available()) {
     return out;
@@ -116,6 +120,97 @@ inline std::pair<mlx::core::array, mlx::core::array> lu_factor_checked(const mlx
                                                                        mlx::core::StreamOrDevice s) {
   auto [lu, pivots] = mlx::core::linalg::lu_factor(a, s);
   return {mlx::core::contiguous(lu, /*allow_col_major=*/false, s), pivots};
+}
+
+// gather_qmm traps on empty operands like quantized_matmul; `out` is the op as MLX built
+// it (shape and argument checks).
+inline mlx::core::array gather_qmm_checked(mlx::core::array out, const mlx::core::array& x, const mlx::core::array& w,
+                                           mlx::core::StreamOrDevice s) {
+  if (x.size() == 0 || w.size() == 0) return mlx::core::zeros(out.shape(), out.dtype(), s);
+  return out;
+}
+
+// gather_mm and gather_qmm read the matrices their indices name unchecked (an index
+// past the batch reads memory outside the array): indices are clamped into the batch,
+// as every other read index is (index.h). `batch` is the operand's batch shape.
+inline std::optional<mlx::core::array> clamp_batch_indices(const std::optional<mlx::core::array>& idx,
+                                                           const mlx::core::array& operand, int matrix_rank,
+                                                           mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (!idx) return idx;
+  if (!mx::issubdtype(idx->dtype(), mx::integer)) {
+    throw std::invalid_argument("gather indices must be integers");
+  }
+  int64_t n = 1;
+  for (int i = 0; i + matrix_rank < static_cast<int>(operand.ndim()); i++) n *= operand.shape(i);
+  if (n == 0) throw std::invalid_argument("gather indices index an empty batch");
+  auto i64 = mx::astype(*idx, mx::int64, s);
+  auto c = mx::clip(i64, mx::array(int64_t{0}), mx::array(static_cast<int64_t>(n - 1)), s);
+  return mx::astype(c, mx::uint32, s);
+}
+
+// Viewing bytes as bool would let any byte stand for a bool; a bool is 0 or 1 in Emily
+// (MLX's kernels assume it: logical_not of 2 is 2), so the bytes are compared with 0.
+inline mlx::core::array view_checked(const mlx::core::array& a, mlx::core::Dtype dtype, mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (dtype != mx::bool_ || a.dtype() == mx::bool_) return mx::view(a, dtype, s);
+  return mx::not_equal(mx::view(a, mx::uint8, s), mx::array(0, mx::uint8), s);
+}
+
+// MLX's eigh reads only the first letter of `uplo` and takes anything but "U" as "L".
+inline const std::string& uplo_checked(const std::string& uplo) {
+  if (uplo != "L" && uplo != "U") throw std::invalid_argument("uplo must be \"L\" or \"U\", got \"" + uplo + "\"");
+  return uplo;
+}
+
+// MLX's flip flips an axis listed twice once; a repeated axis is refused, as MLX's other
+// axis lists (transpose, squeeze, the reductions) are.
+inline mlx::core::array flip_checked(const mlx::core::array& a, const std::vector<int>& axes,
+                                     mlx::core::StreamOrDevice s) {
+  int nd = static_cast<int>(a.ndim());
+  std::set<int> seen;
+  for (int ax : axes) {
+    int n = ax < 0 ? ax + nd : ax;
+    if (!seen.insert(n).second) throw std::invalid_argument("[flip] axis " + std::to_string(ax) + " is repeated");
+  }
+  return mlx::core::flip(a, axes, s);
+}
+
+// scaled_dot_product_attention: MLX divides the query heads by the key/value heads (an
+// empty head axis traps) and ignores mask_mode "array" when no mask is given.
+inline mlx::core::array sdpa_checked(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
+                                     float scale, const std::string& mask_mode,
+                                     const std::optional<mlx::core::array>& mask,
+                                     const std::optional<mlx::core::array>& sinks, mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (mask_mode == "array" && !mask) throw std::invalid_argument("mask_mode \"array\" needs a mask");
+  if (q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(1) == 0) {
+    if (q.shape(1) != 0) throw std::invalid_argument("keys and values have no heads");
+    return mx::zeros({q.shape(0), 0, q.shape(2), v.shape(3)}, q.dtype(), s);
+  }
+  return mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask, sinks, false, s);
+}
+
+// LAPACK's Cholesky stops at the first pivot that is not positive and leaves the rest of
+// the matrix as it was, and MLX returns that without a word. Nx's cholesky gives NaN from
+// such a pivot on (the square root of a negative number). Each failed matrix of a batch
+// (a diagonal entry of its factor negative or NaN, or zero before the last) is NaN in
+// the factor's triangle (the other triangle stays zero, as Nx's), so the failure cannot
+// pass for a factor. A zero last pivot (a positive semi-definite matrix) completes, as
+// it does in Nx.
+inline mlx::core::array cholesky_checked(const mlx::core::array& a, bool upper, mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  auto l = mx::linalg::cholesky(a, upper, s);
+  if (a.ndim() < 2 || a.shape(-1) == 0 || !mx::issubdtype(l.dtype(), mx::floating)) return l;
+  int n = a.shape(-1);
+  auto d = mx::diagonal(l, 0, -2, -1, s);
+  auto zero = mx::array(0.0, l.dtype());
+  auto pos = mx::arange(n, mx::int32, s);
+  auto bad = mx::logical_or(mx::logical_not(mx::greater_equal(d, zero, s), s),
+                            mx::logical_and(mx::equal(d, zero, s), mx::less(pos, mx::array(n - 1), s), s), s);
+  auto failed = mx::expand_dims(mx::any(bad, -1, /*keepdims=*/true, s), -1, s);
+  auto tri = upper ? mx::triu(mx::ones({n, n}, mx::bool_, s), 0, s) : mx::tril(mx::ones({n, n}, mx::bool_, s), 0, s);
+  return mx::where(mx::logical_and(failed, tri, s), mx::array(NAN, l.dtype()), l, s);
 }
 
 // An int argument MLX divides by (a group size, a bit width): zero would trap.

@@ -24,6 +24,13 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
   mx::Dtype dt(static_cast<mx::Dtype::Val>(dtype_val), dtype_size);
   // One copy in: MLX copies from a foreign pointer (it aliases only on Metal, and the
   // binary's lifetime is the caller's), so the deleter has nothing to free.
+  if (dt == mx::bool_) {
+    // A bool is 0 or 1 in Emily whatever byte made it: MLX's kernels read the byte
+    // (logical_not of 2 is 2, a sum adds 255).
+    std::vector<uint8_t> bits(data.size());
+    for (size_t i = 0; i < data.size(); i++) bits[i] = data[i] != 0;
+    return std::make_unique<array>(bits.data(), std::move(s), dt, [](void*) {});
+  }
   return std::make_unique<array>(const_cast<uint8_t*>(data.data()), std::move(s), dt, [](void*) {});
 }
 

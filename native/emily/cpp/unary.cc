@@ -1,6 +1,7 @@
 // Unary ops composed from MLX ops. Each stays lazy: it only adds graph nodes.
 #include "unary.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -93,7 +94,40 @@ array erfc(const array& a, const Stream& s) {
   return astype(r, out_t, s);
 }
 
+// MLX has no complex kernel for expm1, sigmoid or cbrt: each is composed from ops it
+// has, with the principal branch Nx's Complex library uses.
+namespace {
+
+bool is_complex(const array& a) { return issubdtype(a.dtype(), complexfloating); }
+
+array complex_of(const array& re, const array& im, const Stream& s) {
+  return add(astype(re, complex64, s), multiply(astype(im, complex64, s), array(complex64_t(0, 1)), s), s);
+}
+
+}  // namespace
+
+array expm1_any(const array& a, const Stream& s) {
+  if (!is_complex(a)) return expm1(a, s);
+  // exp(x + iy) - 1 = (expm1(x) cos y - 2 sin^2(y / 2)) + i exp(x) sin y: no cancellation
+  // near zero, where exp(z) - 1 would lose the digits expm1 is for.
+  auto x = real(a, s), y = imag(a, s);
+  auto h = sin(multiply(y, array(0.5f), s), s);
+  auto re = subtract(multiply(expm1(x, s), cos(y, s), s), multiply(array(2.0f), multiply(h, h, s), s), s);
+  return complex_of(re, multiply(exp(x, s), sin(y, s), s), s);
+}
+
+array sigmoid_any(const array& a, const Stream& s) {
+  if (!is_complex(a)) return sigmoid(a, s);
+  return reciprocal(add(array(complex64_t(1, 0)), exp(negative(a, s), s), s), s);
+}
+
 array cbrt(const array& a, const Stream& s) {
+  if (is_complex(a)) {
+    // The principal root: |z|^(1/3) at a third of z's phase (Complex.cbrt).
+    auto r = cbrt(abs(a, s), s);
+    auto theta = divide(arctan2(imag(a, s), real(a, s), s), array(3.0f), s);
+    return complex_of(multiply(r, cos(theta, s), s), multiply(r, sin(theta, s), s), s);
+  }
   auto [out_t, x] = real_float_input("cbrt", a, s);
   auto ct = x.dtype();
   auto ax = abs(x, s);
@@ -104,6 +138,18 @@ array cbrt(const array& a, const Stream& s) {
   auto finite = logical_and(isfinite(r, s), not_equal(r, array(0.0, ct), s), s);
   r = where(finite, step, r, s);
   return astype(where(less(x, array(0.0, ct), s), negative(r, s), r, s), out_t, s);
+}
+
+array round_decimals(const array& a, int decimals, const Stream& s) {
+  // MLX scales by 10^decimals in f32 whatever the input's type: f64 would come back at
+  // f32 precision. So f64 scales in f64, dividing by the power of ten rather than
+  // multiplying by its (inexact) reciprocal, as NumPy does; a product that overflows
+  // keeps the input (it has no digit at that position to round).
+  if (a.dtype() != float64 || decimals == 0) return round(a, decimals, s);
+  auto p = array(std::pow(10.0, std::abs(decimals)), float64);
+  auto y = decimals > 0 ? multiply(a, p, s) : divide(a, p, s);
+  auto r = decimals > 0 ? divide(round(y, 0, s), p, s) : multiply(round(y, 0, s), p, s);
+  return where(isfinite(y, s), r, a, s);
 }
 
 array population_count(const array& a, const Stream& s) {

@@ -10,6 +10,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 pub mod bridge;
+pub mod cache_dir;
 pub mod deadline;
 pub mod dtype;
 pub mod error;

@@ -8,10 +8,14 @@
 use crate::error::argument_error;
 use crate::worker::{Device, Worker};
 use rustler::{Atom, NifResult, Resource, ResourceArc};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 pub struct StreamResource {
     worker: RwLock<Option<Arc<Worker>>>,
+    /// Set by `stream_pin`: the stream is one every caller may rely on (a default
+    /// stream), and `stream_release` refuses it.
+    pinned: AtomicBool,
     pub device: Device,
     pub name: String,
 }
@@ -54,17 +58,44 @@ fn stream_new(dev: Atom) -> NifResult<StreamArg> {
     let device = device(dev)?;
     let worker = Worker::spawn(device).map_err(|e| argument_error(format!("stream_new: {e}")))?;
     let name = worker.name.clone();
-    Ok(ResourceArc::new(StreamResource { worker: RwLock::new(Some(worker)), device, name }))
+    Ok(ResourceArc::new(StreamResource {
+        worker: RwLock::new(Some(worker)),
+        pinned: AtomicBool::new(false),
+        device,
+        name,
+    }))
 }
 
 /// `stream_release(stream)`: closes the stream to new work (idempotent). Work already
-/// queued runs to completion.
+/// queued runs to completion. A pinned stream (a default stream) is refused with an
+/// `ArgumentError`: releasing it would break every later op on it, VM-wide.
 #[rustler::nif]
-fn stream_release(stream: StreamArg) -> Atom {
+fn stream_release(stream: StreamArg) -> NifResult<Atom> {
+    if stream.pinned.load(Ordering::Acquire) {
+        return Err(argument_error(format!(
+            "stream_release: {} is a default stream and cannot be released",
+            stream.name
+        )));
+    }
     let worker = stream.worker.write().unwrap().take();
     // The worker's queue may drop the last handle: never join a thread here.
     drop(worker);
-    crate::atoms::ok()
+    Ok(crate::atoms::ok())
+}
+
+/// `stream_pin(stream)`: marks the stream as one `stream_release` refuses (the
+/// application pins its default streams). Irreversible; an `ArgumentError` if the stream
+/// was already released.
+#[rustler::nif]
+fn stream_pin(stream: StreamArg) -> NifResult<Atom> {
+    // Holding the lock (release takes it to write), so a concurrent release either
+    // happened before (refused here) or sees the pin.
+    let guard = stream.worker.read().unwrap();
+    if guard.is_none() {
+        return Err(released_error("stream_pin", &stream.name));
+    }
+    stream.pinned.store(true, Ordering::Release);
+    Ok(crate::atoms::ok())
 }
 
 /// `stream_released(stream)`: whether `stream_release` was called on it.

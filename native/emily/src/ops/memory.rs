@@ -99,7 +99,7 @@ fn clear_cache<'a>(env: Env<'a>, reference: Term<'a>, stream: StreamArg) -> NifR
     })
 }
 
-/// `set_memory_limit(ref, stream, bytes)`: replies the previous limit.
+/// `set_memory_limit(ref, stream, bytes)`: replies the previous limit. `bytes` > 0.
 #[rustler::nif]
 fn set_memory_limit<'a>(
     env: Env<'a>,
@@ -108,6 +108,12 @@ fn set_memory_limit<'a>(
     limit: i64,
 ) -> NifResult<Term<'a>> {
     let limit = limit_arg("set_memory_limit", limit)?;
+    // A limit of 0 makes every later allocation of the VM fail (MLX accepts it).
+    if limit == 0 {
+        return Err(crate::error::argument_error(
+            "set_memory_limit: the limit must be a positive number of bytes, got 0",
+        ));
+    }
     on_worker(env, reference, &stream, "set_memory_limit", move || {
         ffi::memory_set_limit(limit).map_err(|e| mlx("set_memory_limit", e))
     })
