@@ -1,3 +1,4 @@
+Code.require_file("mix/precompiled.exs", __DIR__)
 Code.require_file("mix/compile.emily_native.exs", __DIR__)
 
 defmodule Emily.MixProject do
@@ -33,7 +34,7 @@ defmodule Emily.MixProject do
 
   defp deps do
     [
-      {:nx, "~> 0.13", optional: true},
+      {:nx, "~> 0.12.1 or ~> 0.13.1", optional: true},
       {:telemetry, "~> 1.0", optional: true}
     ]
   end

@@ -36,6 +36,7 @@ defmodule Emily.Doctor do
     )
 
     info("libmlx: #{loaded("libmlx") || "not loaded?"}")
+    info("NIF: #{nif_origin()}")
 
     info(
       "devices: #{Enum.map_join(Emily.devices(), ", ", &to_string/1)} (default: #{Emily.default_device()})"
@@ -169,6 +170,18 @@ defmodule Emily.Doctor do
 
   defp report(what, ok?, figure) do
     info("  #{if ok?, do: "ok  ", else: "FAIL"} #{what}: #{figure}")
+  end
+
+  # Whether the NIF was downloaded (a release tarball) or built here, from the stamp the
+  # Mix compiler writes beside it.
+  defp nif_origin do
+    stamp = Path.join(:code.priv_dir(:emily), "native/libemily.stamp")
+
+    case File.read(stamp) do
+      {:ok, "precompiled " <> rest} -> "precompiled " <> String.trim(rest)
+      {:ok, mlx} -> "built from source against #{String.trim(mlx)}"
+      _ -> "unknown (no #{stamp})"
+    end
   end
 
   # The site-packages folder of the wheel libmlx came from (`mlx/lib/libmlx.so` in it).
