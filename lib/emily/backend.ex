@@ -84,7 +84,7 @@ if Code.ensure_loaded?(Nx) do
     ## Memory
 
     An MLX array is freed when the last tensor holding it is garbage-collected, or at
-    once by `Nx.backend_deallocate/1` (and by `Nx.backend_transfer/3` to another backend
+    once by `Nx.backend_deallocate/1` (and by `Nx.backend_transfer/2` to another backend
     or device), after which the tensor raises `Emily.Error` if used (`Emily.release/1`).
 
     Op by op, each intermediate result therefore stays allocated until its tensor is
@@ -908,6 +908,7 @@ if Code.ensure_loaded?(Nx) do
     # options); anything else runs the struct's default implementation, `fun`.
 
     @fast_blocks Emily.Fast.blocks()
+    @quant_blocks Emily.Quantization.blocks()
 
     @impl true
     def block(struct, out, args, fun) do
@@ -974,6 +975,11 @@ if Code.ensure_loaded?(Nx) do
       do:
         native_type?(out) and native_inputs?(args) and
           Emily.Fast.native_call(block, out, args) != nil
+
+    # Emily.Quantization's blocks: MLX's dequantize and quantized_matmul, as
+    # Emily.Quantization.native_call/3 names them (nil where the block runs its default).
+    defp native_block?(%struct{} = block, out, args) when struct in @quant_blocks,
+      do: native_inputs?(args) and Emily.Quantization.native_call(block, out, args) != nil
 
     defp native_block?(_struct, _out, _args), do: false
 
@@ -1063,10 +1069,21 @@ if Code.ensure_loaded?(Nx) do
 
     defp n_block(%Nx.Block.LinAlg.SVD{full_matrices?: full?}, {u_out, s_out, vt_out}, [t]) do
       s = linalg_stream([t])
-      [u, sv, vt] = N.svd(s, ref(t, s))
+      [u, sv, vt] = Emily.Backend.LinAlg.svd(s, ref(t, s), t.type, t.shape)
       # MLX returns the full U and Vt; Nx's shapes say how much of them to keep.
-      u = if full?, do: u, else: crop(s, u, u_out.shape)
-      vt = if full?, do: vt, else: crop(s, vt, vt_out.shape)
+      {u, vt} =
+        if full?,
+          do: {u, vt},
+          else:
+            Emily.Backend.LinAlg.reduced(
+              s,
+              crop(s, u, u_out.shape),
+              sv,
+              crop(s, vt, vt_out.shape),
+              t.type,
+              t.shape
+            )
+
       {linalg_out(u, u_out, s), linalg_out(sv, s_out, s), linalg_out(vt, vt_out, s)}
     end
 
@@ -1105,6 +1122,20 @@ if Code.ensure_loaded?(Nx) do
       x = apply(N, op, [s | call_args])
       if Emily.Debug.checks_finite?(op), do: Emily.Debug.assert_finite!(s, x, op)
       wrap(x, out, s)
+    end
+
+    defp n_block(%struct{} = block, %T{type: type} = out, args) when struct in @quant_blocks do
+      {op, spec} = Emily.Quantization.native_call(block, out, args)
+      s = stream(args, type)
+      inputs = List.to_tuple(args)
+
+      call_args =
+        Enum.map(spec, fn
+          {:arg, i, arg_type} -> ref(elem(inputs, i), s, arg_type)
+          other -> other
+        end)
+
+      wrap(apply(N, op, [s | call_args]), out, s)
     end
 
     defp fft_block(op, %T{type: type} = out, t, args, eps) do

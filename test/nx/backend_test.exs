@@ -1071,6 +1071,196 @@ if Code.ensure_loaded?(Nx) do
         assert Nx.default_backend() == {Emily.Backend, [device: :cpu]}
       end
     end
+
+    describe "svd gradients follow the forward's singular vectors" do
+      # Nx differentiates Nx.LinAlg.svd through its default algorithm (singular vectors
+      # from an eigh), while the forward result comes from LAPACK's SVD: the two must
+      # agree on the sign of every pair of singular vectors.
+
+      # A loss that weighs every entry of u, s and vt differently, so that a flipped
+      # pair of singular vectors changes its value.
+      defp svd_loss(a, opts) do
+        {u, sv, vt} = Nx.LinAlg.svd(a, opts)
+        {m, n} = Nx.shape(a)
+        k = min(m, n)
+        # A full U's columns past k are not determined by `a`: left out of the loss.
+        u = Nx.slice(u, [0, 0], [m, k])
+        wu = Nx.iota({m, k}, type: Nx.type(a)) |> Nx.add(1) |> Nx.sin()
+        wv = Nx.iota({n, n}, type: Nx.type(a)) |> Nx.add(2) |> Nx.cos()
+        ws = Nx.iota({k}, type: Nx.type(a)) |> Nx.add(1)
+
+        Nx.sum(Nx.multiply(u, wu))
+        |> Nx.add(Nx.sum(Nx.multiply(vt, wv)))
+        |> Nx.add(Nx.dot(sv, ws))
+      end
+
+      # Central differences of the forward loss, entry by entry, on Emily.
+      defp finite_difference(a, opts) do
+        h = 1.0e-6
+        {m, n} = Nx.shape(a)
+        flat = Nx.to_flat_list(a)
+
+        for i <- 0..(m * n - 1) do
+          at = fn d ->
+            List.update_at(flat, i, &(&1 + d))
+            |> Nx.tensor(type: {:f, 64}, backend: Emily.Backend)
+            |> Nx.reshape({m, n})
+            |> svd_loss(opts)
+            |> Nx.to_number()
+          end
+
+          (at.(h) - at.(-h)) / (2 * h)
+        end
+      end
+
+      test "the gradients of Nx's example agree with Nx.BinaryBackend's" do
+        t = Nx.tensor([[3.0, 0.0], [1.0, 2.0]], backend: Nx.BinaryBackend)
+
+        for pick <- [&elem(&1, 0), &elem(&1, 1), &elem(&1, 2)] do
+          f = fn a -> Nx.sum(pick.(Nx.LinAlg.svd(a))) end
+          expected = Nx.with_default_backend(Nx.BinaryBackend, fn -> Nx.Defn.grad(t, f) end)
+          actual = Nx.Defn.grad(O.emily(t), f)
+          assert_same(actual, expected, tol: {1.0e-4, 1.0e-4})
+        end
+
+        # Nx.BinaryBackend's values: d sum(u) / dt.
+        expected = [[0.2541, -0.1452], [-0.3267, -0.2178]]
+        actual = Nx.Defn.grad(O.emily(t), &Nx.sum(elem(Nx.LinAlg.svd(&1), 0)))
+        assert Nx.to_number(Nx.all_close(actual, Nx.tensor(expected), atol: 1.0e-4)) == 1
+      end
+
+      test "equal central differences of the forward pass, eager and compiled" do
+        cases = [{{3, 3}, []}, {{4, 3}, []}, {{4, 3}, [full_matrices?: false]}, {{2, 2}, []}]
+
+        for {shape, opts} <- cases, sign <- [1, -1] do
+          # Well separated singular values: a diagonal plus a small random part.
+          {m, n} = shape
+          diag = Nx.multiply(Nx.eye(shape, type: {:f, 64}, backend: Nx.BinaryBackend), 3)
+
+          diag =
+            Nx.multiply(diag, Nx.add(Nx.iota({n}, type: {:f, 64}, backend: Nx.BinaryBackend), 1))
+
+          a = Nx.add(Nx.multiply(diag, sign), O.tensor(shape, {:f, 64}))
+          a = O.emily(a)
+          expected = Nx.tensor(finite_difference(a, opts)) |> Nx.reshape({m, n})
+
+          for compiler <- [Nx.Defn.Evaluator, Emily.Compiler] do
+            grad =
+              Nx.Defn.jit(&Nx.Defn.grad(&1, fn x -> svd_loss(x, opts) end), compiler: compiler)
+
+            actual = Nx.backend_copy(grad.(a), Nx.BinaryBackend)
+
+            assert Nx.to_number(Nx.all_close(actual, expected, atol: 1.0e-5, rtol: 1.0e-5)) == 1,
+                   "#{inspect(shape)} #{inspect(opts)} #{inspect(compiler)}: " <>
+                     "#{inspect(actual)} vs #{inspect(expected)}"
+          end
+        end
+      end
+
+      test "a reduced SVD zeroes the vectors of (near) zero singular values, as Nx's" do
+        # Rank 2 by construction: LAPACK's third singular value is f32 rounding (about
+        # 1e-7), above pinv's 1e-10 cutoff; Nx's reduced U (Vt when wide) is zero there.
+        for {m, n} <- [{4, 3}, {3, 3}, {3, 4}] do
+          q1 = elem(Nx.LinAlg.qr(O.tensor({m, m}, {:f, 32})), 0)
+          q2 = elem(Nx.LinAlg.qr(O.tensor({n, n}, {:f, 32})), 0)
+          d = Nx.put_diagonal(Nx.broadcast(0.0, {m, n}), Nx.tensor([4.0, 1.0, 0.0]))
+          t = q1 |> Nx.dot(d) |> Nx.dot(q2)
+          {u, sv, vt} = Nx.LinAlg.svd(O.emily(t), full_matrices?: false)
+          zeroed = if m >= n, do: u[[.., 2]], else: vt[2]
+          assert Nx.to_flat_list(zeroed) == List.duplicate(0.0, max(m, n))
+          close = Nx.all_close(Nx.dot(Nx.multiply(u, sv), vt), O.emily(t), atol: 1.0e-5)
+          assert Nx.to_number(close) == 1
+
+          expected =
+            q2
+            |> Nx.transpose()
+            |> Nx.dot(
+              Nx.transpose(
+                Nx.put_diagonal(Nx.broadcast(0.0, {m, n}), Nx.tensor([0.25, 1.0, 0.0]))
+              )
+            )
+            |> Nx.dot(Nx.transpose(q1))
+
+          pinv = Nx.LinAlg.pinv(O.emily(t))
+          assert Nx.to_number(Nx.all_close(pinv, O.emily(expected), atol: 1.0e-4)) == 1
+        end
+      end
+
+      test "Vt's rows (U's columns when wide) are eigh's eigenvectors, signs included" do
+        for type <- [{:f, 32}, {:f, 64}], shape <- [{3, 3}, {5, 3}, {2, 4}, {2, 3, 3}] do
+          a = O.emily(O.tensor(shape, type))
+          {u, _, vt} = Nx.LinAlg.svd(a)
+          rank = tuple_size(shape)
+          {m, n} = {elem(shape, rank - 2), elem(shape, rank - 1)}
+
+          # The vectors of the smaller side are the eigenvectors of its Gram matrix
+          # (a^T a for m >= n, a a^T for m < n).
+          batch = Enum.to_list(0..(rank - 3)//1)
+
+          {side, gram} =
+            if m >= n,
+              do: {Nx.LinAlg.adjoint(vt), Nx.dot(a, [rank - 2], batch, a, [rank - 2], batch)},
+              else: {u, Nx.dot(a, [rank - 1], batch, a, [rank - 1], batch)}
+
+          {_, vecs} = Nx.LinAlg.eigh(gram)
+          tol = if type == {:f, 32}, do: 1.0e-3, else: 1.0e-9
+          assert Nx.to_number(Nx.all_close(side, vecs, atol: tol)) == 1
+        end
+      end
+    end
+
+    describe "inputs MLX takes without complaint" do
+      @tag :non_finite
+      test "argmax and argmin with NaN report the last NaN, for either tie-break" do
+        t = Nx.tensor([[:nan, :nan, 1.0], [1.0, :nan, :nan], [2.0, 2.0, 1.0], [1.0, 1.0, 2.0]])
+
+        for fun <- [&Nx.argmax/2, &Nx.argmin/2], tie <- [:low, :high], axis <- [0, 1] do
+          check(&fun.(&1, axis: axis, tie_break: tie), [t])
+          check(&fun.(&1, axis: axis, tie_break: tie, keep_axis: true), [t])
+        end
+
+        check(&Nx.argmax/1, [t])
+        check(&Nx.argmin(&1, tie_break: :high), [t])
+        # The documented example.
+        e = Nx.argmax(Nx.tensor([2.0, :nan, 4.0]))
+        assert Nx.to_number(e) == 1
+      end
+
+      @tag :non_finite
+      test "cholesky of a matrix that is not positive definite is NaN, as in Nx" do
+        a = Nx.tensor([[-1.0, 0.0], [0.0, -1.0]])
+        l = Nx.LinAlg.cholesky(a)
+        assert %Emily.Backend{} = l.data
+        assert Nx.to_flat_list(l) == [:nan, 0.0, :nan, :nan]
+        expected = Nx.LinAlg.cholesky(Nx.backend_copy(a, Nx.BinaryBackend))
+        assert Nx.to_flat_list(expected) == [:nan, 0.0, :nan, :nan]
+
+        # A batch keeps its positive definite matrices.
+        b = Nx.tensor([[[4.0, 2.0], [2.0, 5.0]], [[1.0, 2.0], [2.0, 1.0]]])
+        [ok | failed] = b |> Nx.LinAlg.cholesky() |> Nx.to_flat_list() |> Enum.chunk_every(4)
+        assert ok == [2.0, 0.0, 1.0, 2.0]
+        assert Enum.any?(List.flatten(failed), &(&1 == :nan))
+      end
+
+      test "c64 expm1, sigmoid, cbrt and atan2 compute, as on Nx.BinaryBackend" do
+        z =
+          Nx.tensor([
+            Complex.new(0.5, 2.0),
+            Complex.new(-1.0, 0.25),
+            Complex.new(1.0e-4, -1.0e-4)
+          ])
+
+        for fun <- [&Nx.expm1/1, &Nx.sigmoid/1, &Nx.cbrt/1] do
+          check(fun, [z], tol: {1.0e-4, 1.0e-5})
+        end
+
+        # Complex.atan2 is defined on real-valued complex numbers.
+        a = Nx.tensor([Complex.new(1.0, 0.0), Complex.new(-2.0, 0.0)])
+        b = Nx.tensor([Complex.new(-1.0, 0.0), Complex.new(3.0, 0.0)])
+        check(&Nx.atan2/2, [a, b])
+        check(&Nx.atan2/2, [a, Nx.tensor([2.0, -1.0])])
+      end
+    end
   end
 else
   defmodule Emily.Nx.BackendTest do

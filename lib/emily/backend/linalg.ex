@@ -86,7 +86,8 @@ defmodule Emily.Backend.LinAlg do
   @doc """
   `{eigenvalues, eigenvectors}` of the Hermitian `a` (`{..., n, n}`, its lower triangle)
   in Nx's order: by decreasing magnitude (LAPACK's is ascending), entries within `eps`
-  of zero set to 0, as Nx.LinAlg.BlockEigh does.
+  of zero set to 0, as Nx.LinAlg.BlockEigh does. Real eigenvectors have the signs of
+  `canonical_signs/4`, which `svd/4` gives its singular vectors too.
   """
   def eigh(s, a, type, shape, eps) do
     [vals, vecs] = N.eigh(s, a, "L")
@@ -94,8 +95,84 @@ defmodule Emily.Backend.LinAlg do
     vals = N.take_along_axis(s, vals, order, -1)
     columns = N.broadcast_to(s, N.expand_dims(s, order, [-2]), shape)
     vecs = N.take_along_axis(s, vecs, columns, -1)
-    real = if match?({:c, _}, type), do: {:f, 32}, else: type
+
+    {real, vecs} =
+      case type do
+        {:c, _} -> {{:f, 32}, vecs}
+        _ -> {type, N.multiply(s, vecs, canonical_signs(s, vecs, -2, type))}
+      end
+
     {zap(s, vals, eps, real), zap(s, vecs, eps, type)}
+  end
+
+  @doc """
+  `[u, s, vt]` of the SVD of the real `a` (`{..., m, n}`; MLX's full U and Vt), each
+  pair of singular vectors signed so that the vectors of the smaller side (Vt's rows for
+  m >= n, U's columns for m < n) have `canonical_signs/4`.
+
+  Nx differentiates an SVD through its default algorithm, which takes those vectors
+  from an eigendecomposition (`eigh/5` here, on this backend) and the others from them,
+  while the forward result comes from LAPACK's SVD: a sign fixed by the vectors alone,
+  the same in both, keeps the gradient about the singular vectors the forward pass
+  reports. The remaining columns of a full U (rows of a full Vt) keep LAPACK's signs.
+  """
+  def svd(s, a, type, shape) do
+    [u, sv, vt] = N.svd(s, a)
+    rank = tuple_size(shape)
+    m = elem(shape, rank - 2)
+    n = elem(shape, rank - 1)
+    k = min(m, n)
+
+    d =
+      if m >= n,
+        do: N.squeeze(s, canonical_signs(s, first(s, vt, rank, k, 2), -1, type), [-1]),
+        else: N.squeeze(s, canonical_signs(s, u, -2, type), [-2])
+
+    u = N.multiply(s, u, N.expand_dims(s, pad_ones(s, d, rank - 1, m - k, type), [-2]))
+    vt = N.multiply(s, vt, N.expand_dims(s, pad_ones(s, d, rank - 1, n - k, type), [-1]))
+    [u, sv, vt]
+  end
+
+  @doc """
+  The reduced SVD's `{u, vt}` (`{..., m, k}`, `{..., k, n}`) as Nx's reduced SVD gives
+  them: the vectors of the larger side (U's columns for m >= n, Vt's rows for m < n)
+  are zero where their singular value is at most k * 1.1920929e-7 * the largest one.
+  Nx computes those vectors as a v / s with 1 / s taken as 0 there, and
+  Nx.LinAlg.pinv/2, whose cutoff (1e-10) is below LAPACK's f32 rounding of a zero
+  singular value, relies on it.
+  """
+  def reduced(s, u, sv, vt, type, shape) do
+    rank = tuple_size(shape)
+    m = elem(shape, rank - 2)
+    n = elem(shape, rank - 1)
+    k = min(m, n)
+    top = first(s, sv, rank - 1, 1)
+    cutoff = N.multiply(s, top, num(s, k * 1.1920929e-7, type))
+    keep = N.astype(s, N.greater(s, sv, cutoff), type)
+
+    if m >= n,
+      do: {N.multiply(s, u, N.expand_dims(s, keep, [-2])), vt},
+      else: {u, N.multiply(s, vt, N.expand_dims(s, keep, [-1]))}
+  end
+
+  # Per vector along `axis` of the real `x`: the sign (1 or -1, keeping `axis` as size
+  # 1) that makes its entry of largest magnitude positive. Of entries within a relative
+  # 1e-3 of that magnitude the first counts, so that two computations of one vector,
+  # equal up to rounding, pick the same entry (vectors such as [1, -1] / sqrt(2)).
+  defp canonical_signs(s, x, axis, type) do
+    mag = N.abs(s, x)
+    top = N.max(s, mag, [axis], true)
+    near = N.greater_equal(s, mag, N.multiply(s, top, num(s, 1 - 1.0e-3, type)))
+    at = N.argmax(s, N.astype(s, near, {:s, 32}), axis, true)
+    signs(s, N.take_along_axis(s, x, at, axis), type)
+  end
+
+  # `x` (rank `rank`) with `extra` ones appended along its last axis.
+  defp pad_ones(_s, x, _rank, 0, _type), do: x
+
+  defp pad_ones(s, x, rank, extra, type) do
+    zeros = List.duplicate(0, rank)
+    N.pad(s, x, num(s, 1, type), zeros, List.replace_at(zeros, rank - 1, extra), zeros)
   end
 
   @doc "det(a) from LAPACK's LU: the product of U's diagonal, negated per row swap."
