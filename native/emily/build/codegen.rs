@@ -8,19 +8,27 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
     s.push_str(&program_decoders(ops));
     for (id, op) in ops {
         let Body::Expr(_) = op.body else { continue };
-        let mut params =
-            vec!["env: rustler::Env<'_>".to_string(), "stream: crate::stream::StreamArg".to_string()];
+        // Handles decode through `term::Live`: a dead reference (from another node) is
+        // refused with an error that says so.
+        let mut params = vec![
+            "env: rustler::Env<'_>".to_string(),
+            "stream: crate::term::Live<crate::stream::StreamArg>".to_string(),
+        ];
         let mut pushes = String::new();
         for a in &op.args {
             let n = &a.name;
             let (ty, push) = match a.ty {
-                ArgType::Tensor => ("crate::tensor::TensorArg", format!("call.tensor(&{n})?;")),
-                ArgType::OptTensor => {
-                    ("Option<crate::tensor::TensorArg>", format!("call.opt_tensor(&{n})?;"))
+                ArgType::Tensor => {
+                    ("crate::term::Live<crate::tensor::TensorArg>", format!("call.tensor(&{n}.0)?;"))
                 }
-                ArgType::Tensors => {
-                    ("crate::term::List<crate::tensor::TensorArg>", format!("call.tensors(&{n}.0)?;"))
-                }
+                ArgType::OptTensor => (
+                    "Option<crate::term::Live<crate::tensor::TensorArg>>",
+                    format!("call.opt_tensor(&{n}.map(|t| t.0))?;"),
+                ),
+                ArgType::Tensors => (
+                    "crate::term::List<crate::term::Live<crate::tensor::TensorArg>>",
+                    format!("call.tensors(&{n}.0.into_iter().map(|t| t.0).collect::<Vec<_>>())?;"),
+                ),
                 ArgType::Int => ("i64", format!("call.args.int32(\"{n}\", {n});")),
                 ArgType::Int64 => ("i64", format!("call.args.int({n});")),
                 ArgType::Ints => ("crate::term::List<i64>", format!("call.args.ints(&{n}.0);")),
@@ -47,7 +55,7 @@ pub fn rust_nifs(ops: &[(u32, &Op)]) -> String {
         };
         let _ = write!(
             s,
-            "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(env, &stream, {id}, \"{name}\", {outs})?;{pushes}\n    call.{submit}\n}}\n",
+            "\n#[rustler::nif(name = \"{name}\")]\n#[allow(unused_mut, clippy::too_many_arguments)]\nfn nif_{name}({params}) -> rustler::NifResult<{ret}> {{\n    let mut call = crate::ops::Call::new(env, &stream.0, {id}, \"{name}\", {outs})?;{pushes}\n    call.{submit}\n}}\n",
             name = op.name,
             params = params.join(", "),
         );

@@ -66,6 +66,19 @@ pub mod ffi {
         fn metal_available() -> Result<bool>;
         fn malloc_tune(mmap_threshold: i32, trim_threshold: i32) -> bool;
 
+        // distributed.h
+        include!("distributed.h");
+        fn distributed_init(
+            backend: &str,
+            rank: i32,
+            size: i32,
+            hostfile: &str,
+            coordinator: &str,
+            timeout_ms: i64,
+        ) -> Result<i64>;
+        fn distributed_release(id: i64);
+        fn distributed_available(backend: &str) -> Result<bool>;
+
         // program.h
         include!("program.h");
         type ProgramSpec;

@@ -8,7 +8,7 @@ use crate::bridge::{ffi, SendArray};
 use crate::dtype::DType;
 use crate::error::{argument_error, Error};
 use crate::stream::StreamArg;
-use crate::term::{List, Shape};
+use crate::term::{List, Live, Shape};
 use crate::worker::{next_id, next_ids, State, Worker};
 use rustler::env::SavedTerm;
 use rustler::{Binary, Encoder, Env, LocalPid, NifResult, OwnedEnv, Resource, ResourceArc, Term};
@@ -184,7 +184,13 @@ pub fn mlx_error_message(op: &str, message: &str, inputs: &[&ffi::Array]) -> Err
 
 /// `from_binary(stream, binary, shape, dtype)`: one copy into a new MLX array.
 #[rustler::nif]
-fn from_binary<'a>(stream: StreamArg, data: Term<'a>, shape: Shape, dtype: DType) -> NifResult<TensorArg> {
+fn from_binary<'a>(
+    stream: Live<StreamArg>,
+    data: Term<'a>,
+    shape: Shape,
+    dtype: DType,
+) -> NifResult<TensorArg> {
+    let Live(stream) = stream;
     let bin: Binary = data.decode().map_err(|_| argument_error("from_binary: expected a binary"))?;
     let want = shape.size().and_then(|n| n.checked_mul(dtype.size as u64));
     if want != Some(bin.len() as u64) {
@@ -296,7 +302,8 @@ impl Gather {
 /// worker, the workers in parallel); replies `{ref, {:ok, :ok}}` once all are done, or
 /// `{ref, {:error, e}}` with an error.
 #[rustler::nif]
-fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifResult<Term<'a>> {
+fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<Live<TensorArg>>) -> NifResult<Term<'a>> {
+    let tensors = List(tensors.0.into_iter().map(|t| t.0).collect::<Vec<_>>());
     // Evaluated tensors need no worker: neither does a call with nothing else to wait on.
     let mut groups = by_worker(tensors.0.into_iter().filter(|t| t.evaluated().is_none()).collect());
     if groups.is_empty() {
@@ -327,8 +334,8 @@ fn eval<'a>(env: Env<'a>, reference: Term<'a>, tensors: List<TensorArg>) -> NifR
 /// once. The worker goes on with later jobs while MLX computes; a later waiting call
 /// (`eval`, `to_binary`) finds the values ready or waits for them, and reports errors.
 #[rustler::nif]
-fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
-    for (worker, group) in by_worker(tensors.0) {
+fn async_eval(tensors: List<Live<TensorArg>>) -> rustler::Atom {
+    for (worker, group) in by_worker(tensors.0.into_iter().map(|t| t.0).collect()) {
         worker.submit(Box::new(move |st: &mut State| {
             let mut v = ffi::array_vec_new(group.len());
             for t in group.iter().filter(|t| t.evaluated().is_none()) {
@@ -350,7 +357,8 @@ fn async_eval(tensors: List<TensorArg>) -> rustler::Atom {
 /// binary. An evaluated tensor's come back at once, as `{:ok, binary}`; otherwise the
 /// call returns `ref` and the worker replies `{ref, {:ok, binary}}` once it has them.
 #[rustler::nif]
-fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
+fn to_binary<'a>(env: Env<'a>, reference: Term<'a>, tensor: Live<TensorArg>) -> Term<'a> {
+    let Live(tensor) = tensor;
     if let Some(arr) = tensor.evaluated() {
         return (crate::atoms::ok(), export_binary(env, arr, &tensor.worker)).encode(env);
     }
@@ -379,7 +387,8 @@ fn export_binary<'a>(env: Env<'a>, arr: Arc<SendArray>, worker: &Arc<Worker>) ->
 
 /// `describe(ref, tensor)`: replies `{ref, {:ok, {shape_tuple, dtype}}}` without evaluating.
 #[rustler::nif]
-fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: TensorArg) -> Term<'a> {
+fn describe<'a>(env: Env<'a>, reference: Term<'a>, tensor: Live<TensorArg>) -> Term<'a> {
+    let Live(tensor) = tensor;
     if let Some(a) = tensor.evaluated() {
         let shape = described(env, ffi::array_shape(&a.0), ffi::array_dtype_val(&a.0));
         return reply_now(env, reference, (crate::atoms::ok(), shape).encode(env));
@@ -430,8 +439,8 @@ fn tensor_evaluated(tensor: TensorArg) -> bool {
 /// `:already_released`. Later uses of the handle fail with `Emily.Error`; other tensors
 /// computed from it are unaffected.
 #[rustler::nif]
-fn tensor_release(tensor: TensorArg) -> rustler::Atom {
-    if tensor.release() {
+fn tensor_release(tensor: Live<TensorArg>) -> rustler::Atom {
+    if tensor.0.release() {
         crate::atoms::ok()
     } else {
         crate::atoms::already_released()

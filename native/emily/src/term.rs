@@ -83,3 +83,34 @@ pub fn short(term: Term) -> String {
         None => s,
     }
 }
+
+/// A tensor or stream handle (a NIF resource). Decodes like `ResourceArc<R>`, but a term
+/// that is not a live resource of this VM is refused with an `ArgumentError` naming the
+/// cause: a handle sent to another node, or read back by `:erlang.binary_to_term/1` in
+/// another VM, arrives as a plain reference with no array (or stream) behind it.
+pub struct Live<R>(pub R);
+
+impl<'a, R: rustler::Resource + 'a> Decoder<'a> for Live<rustler::ResourceArc<R>> {
+    fn decode(term: Term<'a>) -> NifResult<Self> {
+        match term.decode::<rustler::ResourceArc<R>>() {
+            Ok(r) => Ok(Live(r)),
+            Err(_) => Err(argument_error(not_a_handle(term))),
+        }
+    }
+}
+
+/// Why `term` is not a tensor or stream handle.
+pub fn not_a_handle(term: Term) -> String {
+    if term.get_type() == TermType::Ref {
+        format!(
+            "{} is a reference but not an Emily tensor or stream of this VM: handles are \
+             native resources, valid only in the VM that made them. One sent to another node \
+             (a message, :erpc, Nx.Serving), or read back with :erlang.binary_to_term/1 in \
+             another VM, has no array behind it. Send values instead: Nx.serialize/1 and \
+             Nx.deserialize/1, or a copy on Nx.BinaryBackend",
+            short(term)
+        )
+    } else {
+        format!("expected an Emily tensor or stream handle, got: {}", short(term))
+    }
+}

@@ -20,6 +20,7 @@ pub mod binary;
 pub mod conv;
 pub mod creation;
 pub mod debug;
+pub mod distributed;
 pub mod fast;
 pub mod fft;
 pub mod index;

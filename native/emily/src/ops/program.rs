@@ -18,7 +18,7 @@ use crate::error::{argument_error, Error};
 use crate::ops::{check_outputs, put_outputs, Args, Inputs};
 use crate::stream::{released_error, StreamArg};
 use crate::tensor::{mlx_error, Reply, TensorArg, TensorResource};
-use crate::term::{short, List};
+use crate::term::{short, List, Live};
 use crate::worker::{next_id, Busy, Device, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
 use std::collections::HashMap;
@@ -224,9 +224,9 @@ fn call_args(
     op: &str,
     stream: &StreamArg,
     program: &ProgramResource,
-    inputs: List<TensorArg>,
+    inputs: List<Live<TensorArg>>,
 ) -> NifResult<(Vec<TensorArg>, Arc<Worker>)> {
-    let inputs = inputs.0;
+    let inputs: Vec<TensorArg> = inputs.0.into_iter().map(|t| t.0).collect();
     if inputs.len() != program.n_inputs {
         return Err(argument_error(format!(
             "{op}: the program takes {} inputs, got {}",
@@ -245,7 +245,7 @@ fn call_args(
 fn program_run(
     stream: StreamArg,
     program: ResourceArc<ProgramResource>,
-    inputs: List<TensorArg>,
+    inputs: List<Live<TensorArg>>,
 ) -> NifResult<Vec<TensorArg>> {
     const OP: &str = "program_run";
     let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
@@ -283,7 +283,7 @@ fn program_eval<'a>(
     env: Env<'a>,
     stream: StreamArg,
     program: ResourceArc<ProgramResource>,
-    inputs: List<TensorArg>,
+    inputs: List<Live<TensorArg>>,
 ) -> NifResult<Term<'a>> {
     const OP: &str = "program_eval";
     let (inputs, worker) = call_args(OP, &stream, &program, inputs)?;
@@ -541,7 +541,7 @@ fn program_eval_async<'a>(
     env: Env<'a>,
     stream: StreamArg,
     program: ResourceArc<ProgramResource>,
-    inputs: List<TensorArg>,
+    inputs: List<Live<TensorArg>>,
     reference: Term<'a>,
 ) -> NifResult<Term<'a>> {
     const OP: &str = "program_eval";
