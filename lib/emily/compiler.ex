@@ -50,12 +50,16 @@ if Code.ensure_loaded?(Nx) do
         several programs: the loop's initial state, its condition, a pass (the body,
         and the condition on the state it makes), and the rest of the graph with the
         loop's results as inputs; the host reads the condition's value after each;
-      * `io_call` (hooks, `print_value`, `Nx.Serving`'s streaming) and `runtime_call`,
-        outside conditionals, blocks and unrolled loops (in a loop that runs on the
-        host, on each pass): the call runs on the host between the program that
-        computes its data and the program of the rest; so does the other linear
-        algebra (QR, eigh, SVD, LU, larger determinants, `triangular_solve`, and all
-        of it on a GPU), computed by `Emily.Backend` as on the evaluator path;
+      * hooks (`hook`, `io_call`, `print_value`, tokens, `Nx.Serving`'s streaming, as
+        each Nx release writes them: Nx 0.12's tokens, 0.13's `hook`, later `io_call`)
+        and `runtime_call`, outside conditionals, blocks and unrolled loops (in a loop
+        that runs on the host, on each pass): the call runs on the host between the
+        program that computes its data and the program of the rest. A hook with no
+        callback (a named one not given in `:hooks`, and none inside what it watches)
+        is its data, anywhere, and nothing runs on the host. The other linear algebra
+        (QR, eigh, SVD, LU, larger determinants, `triangular_solve`, and all of it on a
+        GPU) runs on the host in the same way, computed by `Emily.Backend` as on the
+        evaluator path;
       * `cond` (and `if`): a clause whose predicate reads no input is decided when the
         graph is lowered; otherwise every branch is computed and the results
         selected, so an untaken branch costs its time. Where that cannot be (a branch
@@ -87,14 +91,15 @@ if Code.ensure_loaded?(Nx) do
     (`dot`, and `Emily.Fast`'s norms and attention), and the run raises as the backend
     would.
 
-    The **evaluator path** (`native: false`, and where the native path falls back)
-    walks the `Nx.Defn.Expr` graph with `Nx.Defn.Evaluator`, with `Emily.Backend` as the
+    The **evaluator path** (`native: false`, and where the native path falls back) walks
+    the `Nx.Defn.Expr` graph with `Nx.Defn.Evaluator`, with `Emily.Backend` as the
     default backend: every node becomes one lazy MLX op on the stream, `while` and
-    `cond` predicates are read on the host, and `Nx.block/4` reaches
-    `Emily.Backend.block/4`. Inputs that are not Emily tensors are copied in. Both paths
-    compute each op with the same MLX ops and casts, so their results agree; the native
-    path runs a graph in one native call rather than one op per node (on bench/'s
-    graphs, 1.3 to 5.9 times as fast).
+    `cond` predicates are read on the host, and `Nx.block/4` reaches `Emily.Backend`'s
+    `c:Nx.Backend.block/4`. Inputs that are not Emily tensors are copied in. On both
+    paths an input the graph does not read is never asked for (an `Nx.LazyContainer`'s
+    value is not computed). Both paths compute each op with the same MLX ops and casts,
+    so their results agree; the native path runs a graph in one native call rather than
+    one op per node (on bench/'s graphs, 1.3 to 5.9 times as fast).
 
     ## Options
 
@@ -103,8 +108,9 @@ if Code.ensure_loaded?(Nx) do
       * `:stream` - an `Emily.Stream` to run on (else the calling process's stream).
       * `:max_concurrency` - the number of partitions (each with its own stream) for
         `Nx.Serving` with `partitions: true`; default 1.
-      * `:hooks` - named `io_call` callbacks, as `Nx.Defn.Evaluator` takes them (this is
-        how `Nx.Serving` streams and how `print_value` hooks are overridden).
+      * `:hooks` - callbacks for named hooks (`hook`, `io_call`, tokens' hooks), as
+        `Nx.Defn.Evaluator` takes them (this is how `Nx.Serving` streams and how
+        `print_value` hooks are overridden).
       * `:native` - `false` for the evaluator path (default `true`: see above).
       * `:compile` - on the native path, compile the program with `mx::compile` (a
         graph deeper than a thread's stack can trace runs on the stream's worker, or
@@ -157,14 +163,15 @@ if Code.ensure_loaded?(Nx) do
         end
 
       case lowered(key, vars, fun, opts, device) do
-        {:ok, {plan, template, checks}} ->
+        {:ok, {plan, template, checks, read}} ->
           # The bytes of a run's results, for the process's collection
           # (Emily.Memory.created/1): the same for every run of the program.
           bytes = Nx.Defn.Composite.reduce(template, 0, &(Nx.byte_size(&1) + &2))
+          run = {plan, template, bytes, checks, read}
 
           fn args_list ->
             Emily.Memory.collect_due()
-            Enum.map(args_list, &run_native(plan, template, bytes, checks, &1, opts))
+            Enum.map(args_list, &run_native(run, &1, opts))
           end
 
         {:unsupported, reason} ->
@@ -180,7 +187,8 @@ if Code.ensure_loaded?(Nx) do
     # is not lowered again; each of its runs still reports the fallback.
     defp lowered(key, vars, fun, opts, device) do
       if Keyword.get(opts, :cache, true) do
-        cache_key = {:native, key, args_keys(vars), device, cache_opts(opts)}
+        {fun_key, opts_key} = keyed(key, opts)
+        cache_key = {:native, fun_key, args_keys(vars), device, opts_key}
 
         case cache_lookup(cache_key) do
           {:ok, result} ->
@@ -208,10 +216,55 @@ if Code.ensure_loaded?(Nx) do
     # (The `:cache` option is part of the key, as it is `true` wherever a key is made.)
     defp cache_opts(opts) do
       case Keyword.pop(opts, :stream) do
-        {nil, opts} -> opts
-        {stream, opts} -> [{:stream_device, Emily.Stream.device(stream)} | opts]
+        {nil, opts} -> cache_term(opts)
+        {stream, opts} -> [{:stream_device, Emily.Stream.device(stream)} | cache_term(opts)]
       end
     end
+
+    # The function's and the options' part of a cache key (`cache_term/1`), made once for
+    # the last pair the process jitted: a function called in a loop comes as the same
+    # terms each time, which compare at no cost (identical terms are not walked).
+    @keyed {__MODULE__, :keyed}
+
+    defp keyed(key, opts) do
+      case Process.get(@keyed) do
+        {^key, ^opts, keyed} ->
+          keyed
+
+        _ ->
+          keyed = {cache_term(key), cache_opts(opts)}
+          Process.put(@keyed, {key, opts, keyed})
+          keyed
+      end
+    end
+
+    # `term` (a function, options) made fit for a key: a defn graph in it (a closure
+    # over a traced expression, as Nx.Defn.Graph.run/2 jits) is a DAG, which hashing,
+    # comparing or copying into a table walks as the tree it unfolds to (exponential in
+    # its depth where nodes are shared, and in one uninterruptible call), so each of its
+    # nodes stands as its id, unique to it; a closure stands as its code and what it
+    # captures, so made. Equal terms give equal keys, as before.
+    defp cache_term(%Nx.Tensor{data: %Nx.Defn.Expr{id: id}}), do: {Nx.Defn.Expr, id}
+    defp cache_term(%Nx.Defn.Expr{id: id}), do: {Nx.Defn.Expr, id}
+
+    defp cache_term(fun) when is_function(fun) do
+      case Function.info(fun, :type) do
+        {:type, :local} ->
+          info = Function.info(fun)
+          {:fun, info[:module], info[:new_index], info[:new_uniq], cache_term(info[:env])}
+
+        _ ->
+          fun
+      end
+    end
+
+    defp cache_term([head | tail]), do: [cache_term(head) | cache_term(tail)]
+
+    defp cache_term(tuple) when is_tuple(tuple),
+      do: tuple |> Tuple.to_list() |> Enum.map(&cache_term/1) |> List.to_tuple()
+
+    defp cache_term(%{} = map), do: :maps.map(fn _key, value -> cache_term(value) end, map)
+    defp cache_term(other), do: other
 
     # The parameters' templates: tensors, and the tuples of them that functions take
     # (parameters), walked directly, as this runs on every call; other containers through
@@ -291,7 +344,7 @@ if Code.ensure_loaded?(Nx) do
       {:unsupported, reason} -> {:unsupported, reason}
     end
 
-    defp run_native(plan, template, bytes, checks, args, opts) do
+    defp run_native({plan, template, bytes, checks, read}, args, opts) do
       s =
         opts[:stream] || Emily.Stream.selected() ||
           if(device = opts[:device],
@@ -299,7 +352,7 @@ if Code.ensure_loaded?(Nx) do
             else: Emily.Stream.current()
           )
 
-      refs = Native.Plan.run(plan, Enum.map(args, &native_input(&1.(), s)), s)
+      refs = Native.Plan.run(plan, inputs(args, read, s), s)
 
       refs =
         case checks do
@@ -328,6 +381,15 @@ if Code.ensure_loaded?(Nx) do
       result
     end
 
+    # The arrays of the parameters the graph reads; in place of each other one (not
+    # asked for, as the evaluator does not ask: see Native.lower/3), an array the program
+    # does not read.
+    defp inputs([thunk | args], [:read | read], s),
+      do: [native_input(thunk.(), s) | inputs(args, read, s)]
+
+    defp inputs([_thunk | args], [{:unread, ref} | read], s), do: [ref | inputs(args, read, s)]
+    defp inputs([], [], _s), do: []
+
     defp native_input(%Nx.Tensor{data: %Emily.Backend{ref: ref}}, _stream), do: ref
 
     defp native_input(%Nx.Tensor{} = t, stream),
@@ -339,6 +401,7 @@ if Code.ensure_loaded?(Nx) do
     defp evaluator(key, vars, fun, opts) do
       backend = __to_backend__(opts)
       stream = opts[:stream]
+      {fun_key, opts_key} = keyed(key, opts)
       {cache?, opts} = Keyword.pop(opts, :cache, true)
       evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
 
@@ -350,7 +413,7 @@ if Code.ensure_loaded?(Nx) do
 
       compiled =
         if cache?,
-          do: locally_cached({key, Enum.map(vars, &args_key/1), cache_opts(opts)}, compile),
+          do: locally_cached({fun_key, args_keys(vars), opts_key}, compile),
           else: compile.()
 
       fn args_list ->

@@ -851,7 +851,7 @@ if Code.ensure_loaded?(Nx) do
     defp plan_of(jit, args) do
       apply(jit, args)
       apply(jit, args)
-      {_key, {:ok, {plan, _template, _checks}}} = Process.get({Emily.Compiler, :last_used})
+      {_key, {:ok, {plan, _template, _checks, _read}}} = Process.get({Emily.Compiler, :last_used})
       plan
     end
 

@@ -1,6 +1,6 @@
 # Emily.Compiler: defn functions through the evaluator path against Nx.Defn.Evaluator on
-# Nx.BinaryBackend, grad against finite differences, io_call hooks, control flow,
-# options and partitions.
+# Nx.BinaryBackend, grad against finite differences, hooks (as each Nx release writes
+# them: Emily.NxHooks), control flow, options and partitions.
 if Code.ensure_loaded?(Nx) do
   defmodule Emily.Nx.CompilerTest do
     use ExUnit.Case, async: true
@@ -27,14 +27,16 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    defn(doubled(x), do: x |> Nx.multiply(2) |> io_call(:double) |> Nx.add(1))
+    alias Emily.NxHooks
+
+    defn(doubled(x), do: x |> Nx.multiply(2) |> NxHooks.named(:double) |> Nx.add(1))
 
     defn(printed(x), do: x |> Nx.add(1) |> print_value(label: "value") |> Nx.multiply(3))
 
     # Doubles until above 10, reporting each pass's value.
     defn stepped(x) do
       while x, x < 10 do
-        io_call(x * 2, :step)
+        NxHooks.named(x * 2, :step)
       end
     end
 
@@ -58,6 +60,26 @@ if Code.ensure_loaded?(Nx) do
     def report(t, opts) do
       send(opts[:pid], {:runtime_call, t})
       t
+    end
+
+    # Nx 0.12's and 0.13's tokens: hooks on values the result does not hold (as
+    # Bumblebee's generation streams its tokens), run in the order they were declared.
+    if NxHooks.tokens?() do
+      defn tokened(x) do
+        token = NxHooks.create_token()
+        {token, _} = NxHooks.hook_token(token, x * 2, :double)
+        {token, y} = NxHooks.hook_token(token, x + 1, :plus_one)
+        NxHooks.attach_token(token, {y * 3, x - 1})
+      end
+
+      # Passes until above 10, reporting each pass's state and its double.
+      defn tokened_loop(x) do
+        while {x, i = 0}, x < 10 do
+          token = NxHooks.create_token()
+          {token, _} = NxHooks.hook_token(token, %{value: x * 2, pass: i}, :step)
+          NxHooks.attach_token(token, {x * 2, i + 1})
+        end
+      end
     end
 
     defn scan_stats(x) do
@@ -264,6 +286,59 @@ if Code.ensure_loaded?(Nx) do
         end)
       end
 
+      test "a hook with no callback is its data: nothing runs on the host" do
+        x = Nx.tensor([1.0, 2.0])
+        # (The lowering raises at a host step: here there is none.)
+        assert {_, _, [_], _, _} = Emily.Compiler.Native.instructions_of(&doubled/1, [x])
+
+        both_paths(fn opts ->
+          assert Nx.to_flat_list(ejit(&doubled/1, opts).(x)) == [3.0, 5.0]
+        end)
+      end
+
+      if NxHooks.tokens?() do
+        test "tokens run their hooks in order, on values the result does not hold" do
+          pid = self()
+
+          hooks = %{
+            double: &send(pid, {:double, Nx.to_flat_list(&1)}),
+            plus_one: &send(pid, {:plus_one, Nx.to_flat_list(&1)})
+          }
+
+          both_paths(fn opts ->
+            {y, z} = ejit(&tokened/1, [hooks: hooks] ++ opts).(Nx.tensor([1.0, 2.0]))
+            assert Nx.to_flat_list(y) == [6.0, 9.0]
+            assert Nx.to_flat_list(z) == [0.0, 1.0]
+            assert_receive {first, value} when first in [:double, :plus_one]
+            assert {first, value} == {:double, [2.0, 4.0]}
+            assert_received {:plus_one, [2.0, 3.0]}
+
+            # Without callbacks the tokens are inert.
+            {y, _} = ejit(&tokened/1, opts).(Nx.tensor([1.0, 2.0]))
+            assert Nx.to_flat_list(y) == [6.0, 9.0]
+            refute_receive {:double, _}
+            refute_received {:plus_one, _}
+          end)
+        end
+
+        test "a token in a loop whose condition reads an input runs on every pass" do
+          pid = self()
+
+          hooks = %{
+            step: fn %{value: v, pass: i} ->
+              send(pid, {:step, Nx.to_number(i), Nx.to_number(v)})
+            end
+          }
+
+          both_paths(fn opts ->
+            {x, i} = ejit(&tokened_loop/1, [hooks: hooks] ++ opts).(Nx.tensor(1.5))
+            assert {Nx.to_number(x), Nx.to_number(i)} == {12.0, 3}
+            for {i, v} <- [{0, 3.0}, {1, 6.0}, {2, 12.0}], do: assert_receive({:step, ^i, ^v})
+            refute_receive {:step, _, _}
+          end)
+        end
+      end
+
       test "an io_call outside the branches that read it runs once" do
         hooked_runs(&doubled_in_branches/1, [{1.0, 18.0, 2.0}, {-1.0, -1.0, -2.0}])
       end
@@ -290,7 +365,51 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    defp doubling(x, depth), do: Enum.reduce(1..depth, x, fn _, acc -> Nx.add(acc, acc) end)
+
     describe "graphs with much sharing" do
+      # Each node of a DAG is visited once: a doubling chain of depth n has n nodes and
+      # 2^n paths. A closure over a traced graph is the compiler's cache key (as
+      # Nx.Defn.Graph.run/2 jits each stage). A walk of each path would take seconds at
+      # depth 22 (so the bound, generous, fails first) and never end at 60, in a call the
+      # VM cannot interrupt.
+      test "a closure over a traced doubling chain, jitted again and again" do
+        x = Nx.tensor([1.0, 2.0])
+
+        for depth <- [22, 60] do
+          expr = Nx.Defn.debug_expr(&doubling(&1, depth)).(x)
+          expected = Nx.to_flat_list(Nx.multiply(x, 2.0 ** depth))
+
+          {us, _} =
+            :timer.tc(fn ->
+              for opts <- [[], [native: false]], _ <- 1..3 do
+                assert Nx.to_flat_list(ejit(fn _ -> expr end, opts).(x)) == expected
+              end
+            end)
+
+          assert us < 5_000_000, "depth #{depth}: #{div(us, 1000)} ms"
+        end
+      end
+
+      if Version.match?(to_string(Application.spec(:nx, :vsn)), "< 0.13.0") do
+        @tag skip:
+               "Nx 0.12's Nx.Defn.Graph.split/2 itself walks each path of a DAG " <>
+                 "(exponential in its depth, whatever the compiler); Nx 0.13 memoises it"
+      end
+
+      test "Nx.Defn.Graph.split/2 and run/2 over a doubling chain" do
+        x = Nx.tensor([1.0, 2.0])
+
+        for depth <- [22, 60], opts <- [[], [native: false]] do
+          Nx.Defn.default_options([compiler: Emily.Compiler] ++ opts)
+          expr = Nx.Defn.debug_expr(&doubling(&1, depth)).(x)
+          stages = Nx.Defn.Graph.split(expr, fn _ -> :none end)
+          {us, out} = :timer.tc(fn -> Nx.Defn.Graph.run(stages, [x]) end)
+          assert Nx.to_flat_list(out) == Nx.to_flat_list(Nx.multiply(x, 2.0 ** depth))
+          assert us < 5_000_000, "depth #{depth}: #{div(us, 1000)} ms"
+        end
+      end
+
       test "a jit of Nx.LinAlg.eigh, whose default is a DAG that flattens to some 100 GB" do
         a = Nx.tensor([[4.0, 1.0, 0.5], [1.0, 3.0, 0.2], [0.5, 0.2, 2.0]])
 
@@ -351,6 +470,20 @@ if Code.ensure_loaded?(Nx) do
                  {Emily.Backend, [device: :cpu]}
 
         assert Nx.Defn.to_backend(compiler: Emily.Compiler) == {Emily.Backend, []}
+      end
+
+      test "a lazy container's values the graph does not read are not asked for" do
+        # (Asking for :b raises, as Nx's lazy_container_test checks of Nx.Defn.Evaluator.)
+        for opts <- [[], [native: false]] do
+          {out, fallbacks} =
+            with_fallbacks(fn ->
+              fun = ejit(fn %Emily.NxLazy.Wrapped{a: a, c: c} -> Nx.add(a, c) end, opts)
+              fun.(%Emily.NxLazy{a: 1, b: 2, c: 3})
+            end)
+
+          assert Nx.to_number(out) == 4
+          assert fallbacks == []
+        end
       end
 
       test "the native path runs graphs it cannot lower on the evaluator path and reports it" do

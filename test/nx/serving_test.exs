@@ -1,5 +1,5 @@
 # Nx.Serving on Emily.Compiler: inline runs, batched runs with a batch size, one stream
-# per partition, and streaming (with io_call hooks).
+# per partition, and streaming (with hooks: Emily.NxHooks).
 if Code.ensure_loaded?(Nx) do
   defmodule Emily.Nx.ServingTest do
     use ExUnit.Case, async: true
@@ -12,9 +12,9 @@ if Code.ensure_loaded?(Nx) do
     defn staged(batch) do
       batch
       |> Nx.multiply(2)
-      |> io_call(:double)
+      |> Emily.NxHooks.named(:double)
       |> Nx.add(10)
-      |> io_call(:plus_ten)
+      |> Emily.NxHooks.named(:plus_ten)
       |> Nx.divide(2)
     end
 
@@ -100,7 +100,7 @@ if Code.ensure_loaded?(Nx) do
       assert out1.data.stream != out2.data.stream
     end
 
-    test "streaming with io_call hooks, on the evaluator path and on the native path" do
+    test "streaming with hooks, on the evaluator path and on the native path" do
       for native <- [false, true] do
         serving =
           Nx.Serving.jit(&staged/1, compiler: Emily.Compiler, native: native)

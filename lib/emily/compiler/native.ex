@@ -20,16 +20,17 @@ if Code.ensure_loaded?(Nx) do
     # defaults and the calls into Elixir, Native.Plan splits a graph around what runs on
     # the host.
 
-    alias Nx.Defn.{Composite, Expr}
+    alias Nx.Defn.{Composite, Expr, Tree}
     alias Nx.Tensor, as: T
     alias Emily.Backend.Storage
     alias Emily.Compiler.Native.{Ops, Plan}
 
     @doc false
-    # Lowers `fun.(vars)`. Returns `{plan, output, checks}`: the plan (Native.Plan) runs
-    # with `Native.Plan.run/3`, output is the result container of templates, checks the
-    # `{op, template}` of each result whose count of non-finite values the plan returns
-    # after the outputs (under :debug_detect_nan_inf; see `check_finite!/2`). Throws
+    # Lowers `fun.(vars)`. Returns `{plan, output, checks, read}`: the plan (Native.Plan)
+    # runs with `Native.Plan.run/3`, output is the result container of templates, checks
+    # the `{op, template}` of each result whose count of non-finite values the plan
+    # returns after the outputs (under :debug_detect_nan_inf; see `check_finite!/2`),
+    # read what to pass for each parameter (see `read_params/3`). Throws
     # `{:unsupported, reason}`.
     def lower(vars, fun, opts) do
       # Tracing is the user's code: its errors are theirs. An error while lowering what
@@ -44,8 +45,45 @@ if Code.ensure_loaded?(Nx) do
           e -> throw({:unsupported, {:lowering_failed, e.__struct__, Exception.message(e)}})
         end
 
-      {plan, lowered.template, lowered.checks}
+      {plan, lowered.template, lowered.checks, read_params(vars, result, opts[:device])}
     end
+
+    # For each parameter, `:read` if the graph reads it, else `{:unread, ref}`: an array
+    # to pass in its place. A parameter the graph does not read is not asked for at run
+    # time: its value may be lazy (an `Nx.LazyContainer`'s field), costly or raise, and
+    # the evaluator does not ask for it either. A graph reads a parameter through a
+    # `:parameter` node of its position (not necessarily the node `vars` holds: a graph
+    # traced before, as Nx.Defn.Graph's stages, has its own), in the function's scope,
+    # blocks' defaults included (their other parameters would read the function's too).
+    defp read_params(vars, result, device) do
+      read = read_positions(Composite.flatten_list([result]), %{}, MapSet.new())
+      positions = Enum.to_list(0..(length(Composite.flatten_list(vars)) - 1)//1)
+
+      if Enum.all?(positions, &MapSet.member?(read, &1)) do
+        Enum.map(positions, fn _ -> :read end)
+      else
+        filler = Nx.tensor(0, type: :u8, backend: {Emily.Backend, device: device}).data.ref
+        Enum.map(positions, &if(MapSet.member?(read, &1), do: :read, else: {:unread, filler}))
+      end
+    end
+
+    defp read_positions([], _seen, read), do: read
+
+    defp read_positions([%T{data: %Expr{id: id, op: op, args: args}} = t | rest], seen, read) do
+      cond do
+        is_map_key(seen, id) ->
+          read_positions(rest, seen, read)
+
+        op == :parameter ->
+          read_positions(rest, Map.put(seen, id, true), MapSet.put(read, hd(args)))
+
+        true ->
+          default = if op == :block, do: flat(Enum.at(args, 2)), else: []
+          read_positions(children(t, :scope) ++ default ++ rest, Map.put(seen, id, true), read)
+      end
+    end
+
+    defp read_positions([_ | rest], seen, read), do: read_positions(rest, seen, read)
 
     @doc false
     # Raises Emily.Error, as Emily.Backend's check would, if a count the program returned
@@ -108,12 +146,20 @@ if Code.ensure_loaded?(Nx) do
       if Enum.any?(outputs, &(not match?(%T{data: %Expr{}}, &1))),
         do: throw({:unsupported, :output})
 
+      # A host step's results: a node's (`{node, size}`: its slots), or a value it hands
+      # over (`{:value, node}`: the node's one slot, as if lowered already).
       {hosted, params} =
         opts
         |> Keyword.get(:hosted, [])
-        |> Enum.map_reduce(length(flat_vars), fn {%T{data: %Expr{id: id}}, size}, n ->
-          {{id, Enum.to_list(n..(n + size - 1)//1)}, n + size}
+        |> Enum.map_reduce(length(flat_vars), fn
+          {:value, %T{data: %Expr{id: id}}}, n ->
+            {{:value, id, n}, n + 1}
+
+          {%T{data: %Expr{id: id}}, size}, n ->
+            {{id, Enum.to_list(n..(n + size - 1)//1)}, n + size}
         end)
+
+      {values, hosted} = Enum.split_with(hosted, &match?({:value, _, _}, &1))
 
       # `opts[:then]`: `{params, condition}`, the condition also lowered over the
       # outputs as the params (a loop's next pass), its value one more output.
@@ -129,12 +175,13 @@ if Code.ensure_loaded?(Nx) do
       st = %{
         next: params + length(extras),
         instrs: [],
-        memo: extra_slots,
+        memo: Enum.into(values, extra_slots, fn {:value, id, slot} -> {id, slot} end),
         emitted: %{},
         device: device,
         checks: [],
         defaults: defaults,
         results: Map.new(hosted),
+        hooks: opts[:hooks] || %{},
         nested: 0,
         instr_at: %{},
         const: MapSet.new(),
@@ -281,7 +328,7 @@ if Code.ensure_loaded?(Nx) do
             collect(nodes, {Map.put(seen, id, true), tensors, defaults, known})
 
           true ->
-            collect(args_tensors(args), {Map.put(seen, id, true), tensors, defaults, known})
+            collect(children(t, :all), {Map.put(seen, id, true), tensors, defaults, known})
         end
 
       collect(rest, acc)
@@ -295,7 +342,12 @@ if Code.ensure_loaded?(Nx) do
     # an inner loop's body or an inner block's default, whose parameters are their own.
     defp block_params([], _known, _seen, params), do: params
 
-    defp block_params([%T{data: %Expr{id: id, op: op, args: args}} | rest], known, seen, params) do
+    defp block_params(
+           [%T{data: %Expr{id: id, op: op, args: args}} = t | rest],
+           known,
+           seen,
+           params
+         ) do
       cond do
         Map.has_key?(seen, id) ->
           block_params(rest, known, seen, params)
@@ -305,19 +357,20 @@ if Code.ensure_loaded?(Nx) do
           block_params(rest, known, Map.put(seen, id, true), params)
 
         true ->
-          inner =
-            case {op, args} do
-              {:block, [_, in_args, _, _]} -> Enum.filter(in_args, &match?(%T{}, &1))
-              {:while, [initial | _]} -> flat(initial)
-              _ -> args_tensors(args)
-            end
-
-          block_params(inner ++ rest, known, Map.put(seen, id, true), params)
+          block_params(children(t, :scope) ++ rest, known, Map.put(seen, id, true), params)
       end
     end
 
     defp block_params([_ | rest], known, seen, params),
       do: block_params(rest, known, seen, params)
+
+    # The nodes a node reads, as Nx.Defn.Tree walks them for the Nx release at hand
+    # (each release has its own hook nodes): with `:scope`, not those of a loop's body,
+    # a block's default or a function, which have parameters of their own.
+    defp children(t, type) do
+      {_, nodes} = Tree.apply_args(t, type, [], fn node, acc -> {node, [node | acc]} end)
+      nodes |> Enum.filter(&match?(%T{data: %Expr{}}, &1)) |> Enum.reverse()
+    end
 
     # The tensors among a node's arguments, those in tuples and maps (a container's
     # leaves: an io_call's data, metadata around a tuple) included.

@@ -6,8 +6,9 @@ if Code.ensure_loaded?(Nx) do
     # blocks without a kernel lowered as their default, the elements of their tuple
     # results, and what must run on the host handed to Emily.Compiler.Native.Plan.
 
-    alias Nx.Defn.Expr
+    alias Nx.Defn.{Composite, Expr}
     alias Nx.Tensor, as: T
+    alias Emily.Compiler.Native.Hooks
 
     import Emily.Compiler.Native,
       only: [lower_node: 2, emit: 3, operand: 3, constant_value: 2, flat: 1]
@@ -24,8 +25,10 @@ if Code.ensure_loaded?(Nx) do
               [:solve_triangular, :qr, :svd, :svdvals, :eigh, :eigvalsh, :eig, :eigvals] ++
               [:det, :slogdet]
 
-    # What calls an Elixir function on the host.
-    @calls [:io_call, :runtime_call]
+    # What calls an Elixir function on the host: runtime calls, and hooks (each Nx
+    # release's nodes for them: Emily.Compiler.Native.Hooks) unless inert.
+    @hooks Hooks.ops()
+    @calls [:runtime_call | @hooks]
 
     # Linear algebra that Emily.Compiler.Native.Ops does not lower runs on the host, as
     # Emily.Backend computes it (LAPACK, on a CPU stream), between the programs before
@@ -53,6 +56,13 @@ if Code.ensure_loaded?(Nx) do
 
     def lower_op(:elem, [%T{data: %Expr{op: op}} = node, i], _t, st) when listed(op),
       do: nth(node, i, st)
+
+    # A value a token is attached to (Nx 0.12): the token's hooks run first, on the host
+    # unless inert; the plan hands the value over with the step's results (Native.Plan).
+    def lower_op(:attach_token, [token, expr], _t, st) do
+      {[], st} = slots(token, st)
+      lower_node(expr, st)
+    end
 
     def lower_op(:elem, [%T{data: %Expr{op: :block, args: [%struct{} | _]}} = node, i], _t, st)
         when struct in @linalg,
@@ -94,7 +104,17 @@ if Code.ensure_loaded?(Nx) do
 
     defp slots(%T{data: %Expr{op: :while}} = loop, st), do: unrolled(loop, st)
     defp slots(%T{data: %Expr{op: :cond}} = c, st), do: cond_results(c, st)
+    defp slots(%T{data: %Expr{op: op}} = t, st) when op in @hooks, do: hook(t, st)
     defp slots(t, st), do: on_host(t, st)
+
+    # An inert hook is worth its data (a token, nothing); any other runs on the host.
+    defp hook(%T{data: %Expr{op: op, args: args}} = t, st) do
+      case Hooks.step(t, st.hooks) do
+        :inert when op == :token -> {[], st}
+        :inert -> Enum.map_reduce(Composite.flatten_list([hd(args)]), st, &lower_node/2)
+        {:step, _} -> on_host(t, st)
+      end
+    end
 
     # A `while` whose condition reads no input (a loop over a range or a tensor's
     # elements, Nx.Random's rounds) runs a number of times known here: it is unrolled,

@@ -40,7 +40,13 @@ if Code.ensure_loaded?(Nx) do
                  [:sort, :argsort | Emily.Backend.Ops.window()] ++
                  [:window_scatter_max, :window_scatter_min, :reduce, :window_reduce, :conv]
 
+    # What Emily.Compiler.Native.Control lowers (besides blocks without a kernel).
+    @control [:block, :while, :cond, :elem, :runtime_call, :triangular_solve, :attach_token] ++
+               Emily.Compiler.Native.Hooks.ops()
+
     @fast_blocks Emily.Fast.blocks()
+    @quant_blocks Emily.Quantization.blocks()
+    @distributed_blocks Emily.Distributed.blocks()
 
     # The linear algebra blocks lowered on the CPU: Native op and its arguments after
     # the tensors.
@@ -335,9 +341,43 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    def lower_op(op, args, t, st)
-        when op in [:block, :while, :cond, :elem, :io_call, :runtime_call, :triangular_solve],
-        do: Control.lower_op(op, args, t, st)
+    # Emily.Distributed's collectives lower to their Native op (Emily.Distributed.native_call/3).
+    def lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
+        when struct in @distributed_blocks do
+      {op, spec} = Emily.Distributed.native_call(block, t, in_args)
+      inputs = List.to_tuple(in_args)
+
+      {args, st} =
+        Enum.map_reduce(spec, st, fn
+          {:arg, i, type}, st -> operand(elem(inputs, i), type, st)
+          other, st -> {other, st}
+        end)
+
+      emit(st, op, args)
+    end
+
+    # Emily.Quantization's blocks lower to MLX's dequantize or quantized_matmul
+    # (Emily.Quantization.native_call/3), or, where it names none, to their default.
+    def lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
+        when struct in @quant_blocks do
+      case Emily.Quantization.native_call(block, t, in_args) do
+        nil ->
+          Control.lower_op(:block, t.data.args, t, st)
+
+        {op, spec} ->
+          inputs = List.to_tuple(in_args)
+
+          {args, st} =
+            Enum.map_reduce(spec, st, fn
+              {:arg, i, type}, st -> operand(elem(inputs, i), type, st)
+              other, st -> {other, st}
+            end)
+
+          emit(st, op, args)
+      end
+    end
+
+    def lower_op(op, args, t, st) when op in @control, do: Control.lower_op(op, args, t, st)
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 

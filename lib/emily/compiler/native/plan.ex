@@ -15,10 +15,13 @@ if Code.ensure_loaded?(Nx) do
     # the step, other than the step's results (a value used both before and after a
     # loop, say).
 
-    alias Nx.Defn.{Composite, Expr}
+    alias Nx.Defn.{Composite, Expr, Tree}
     alias Nx.Tensor, as: T
+    alias Emily.Compiler.Native.Hooks
 
     import Emily.Compiler.Native, only: [lowering: 3, flat: 1, vectorized?: 1]
+
+    @hooks Hooks.ops()
 
     @doc false
     # Runs `plan` on `inputs` (the parameters' arrays) on `stream`: its outputs.
@@ -76,11 +79,17 @@ if Code.ensure_loaded?(Nx) do
           do: throw({:unsupported, {node.data.op, :debug_detect_nan_inf}})
 
         # (The host calls Elixir with tensors made from templates: not vectorized ones.)
-        if node.data.op not in [:while, :cond] and vectorized?(node.data.args),
+        if node.data.op not in [:while, :cond] and vectorized?(host_args(node)),
           do: throw({:unsupported, {node.data.op, :vectorized}})
 
         host(node, %{vars: vars, result: result, opts: opts, hosted: hosted})
     end
+
+    # The arguments of a host step, a token's hooks' values among them.
+    defp host_args(%T{data: %Expr{op: :token, args: [%{hooks: hooks}]}}),
+      do: Enum.map(hooks, & &1.expr)
+
+    defp host_args(%T{data: %Expr{args: args}}), do: args
 
     # A `while` whose condition reads an input: `{:loop, initial, condition, step,
     # rest}`, the plans of its initial state, of its condition (over its state), of a
@@ -109,22 +118,34 @@ if Code.ensure_loaded?(Nx) do
       {{:cond, predicates, branches, rest}, lowered}
     end
 
-    # An `io_call` (a hook, `print_value`, Nx.Serving's streaming): its callback (the
-    # `:hooks` given for its name, else its own) called with the data as Nx tensors;
-    # the rest reads the data.
-    defp host(%T{data: %Expr{op: :io_call, args: [data, spec, template, _ref]}} = node, at) do
-      callback =
-        case spec do
-          {:fn, fun} -> fun
-          {:named, name, fun} -> Map.get(at.opts[:hooks] || %{}, name) || fun
+    # A hook (`hook`, `io_call`, `print_value`, Nx.Serving's streaming, a token's hooks:
+    # Emily.Compiler.Native.Hooks): its callbacks (the `:hooks` given for their names,
+    # else their own), in order, each with what it watches as Nx tensors; the rest reads
+    # the hook's data, or, for a token, the values it is attached to, handed over.
+    defp host(%T{data: %Expr{op: op, args: args}} = node, at) when op in @hooks do
+      {:step, watched} = Hooks.step(node, at.opts[:hooks] || %{})
+
+      {passed, hosted} =
+        case op do
+          :token -> attached(at.result, node)
+          _ -> {hd(args), [{node, count(hd(args))}]}
         end
 
+      # (Templates, not the graph, in the call: see runtime_call below.)
+      specs =
+        for {container, callback} <- watched,
+            do: {Composite.traverse(container, &Nx.to_template/1), count(container), callback}
+
       call = fn refs, stream ->
-        if callback, do: callback.(tensors(template, refs, stream))
-        refs
+        Enum.reduce(specs, refs, fn {template, n, callback}, refs ->
+          {these, refs} = Enum.split(refs, n)
+          if callback, do: callback.(tensors(template, these, stream))
+          refs
+        end)
       end
 
-      call(node, data, call, length(Composite.flatten_list([data])), at)
+      data = {List.to_tuple(Enum.map(watched, &elem(&1, 0))), passed}
+      call(data, call, hosted, at)
     end
 
     # A `runtime_call`: its function called with the data as Nx tensors; its results
@@ -142,7 +163,7 @@ if Code.ensure_loaded?(Nx) do
         Enum.map(Composite.flatten_list([out]), &ref(&1, stream))
       end
 
-      call(node, data, call, length(Composite.flatten_list([template])), at)
+      call(data, call, [{node, count(template)}], at)
     end
 
     # Linear algebra the programs do not hold (Emily.Compiler.Native.Control): computed
@@ -162,7 +183,7 @@ if Code.ensure_loaded?(Nx) do
         eagerly(stream, fn -> Emily.Backend.block(struct, out, args, fun) end)
       end
 
-      call(node, List.to_tuple(inputs), call, length(Composite.flatten_list([out])), at)
+      call(List.to_tuple(inputs), call, [{node, count(out)}], at)
     end
 
     defp host(%T{data: %Expr{op: :triangular_solve, args: [a, b, opts]}} = node, at) do
@@ -174,7 +195,7 @@ if Code.ensure_loaded?(Nx) do
         eagerly(stream, fn -> Emily.Backend.triangular_solve(out, a, b, opts) end)
       end
 
-      call(node, {a, b}, call, 1, at)
+      call({a, b}, call, [{node, 1}], at)
     end
 
     # `fun`'s results' arrays, `fun` run with Emily.Backend (on `stream`) as the default
@@ -197,12 +218,50 @@ if Code.ensure_loaded?(Nx) do
       {:host, _} -> {:body, elem(plan([arg], body, opts, []), 0)}
     end
 
-    # `{:call, data, call, rest}`: the plan of the data, the call, the plan of the rest.
-    defp call(node, data, call, results, at) do
+    # `{:call, data, call, rest}`: the plan of the data, the call, the plan of the rest,
+    # which has the call's results as inputs (`hosted`: see Native.lowering/3).
+    defp call(data, call, hosted, at) do
       {data, _} = plan(at.vars, data, at.opts, at.hosted)
-      {rest, lowered} = plan(at.vars, at.result, at.opts, at.hosted ++ [{node, results}])
+      {rest, lowered} = plan(at.vars, at.result, at.opts, at.hosted ++ hosted)
       {{:call, data, call, rest}, lowered}
     end
+
+    defp count(container), do: length(Composite.flatten_list([container]))
+
+    # The values `token` is attached to in `result` (Nx 0.12's `:attach_token` nodes, one
+    # per leaf of each value it was attached to), each once, found without entering loop
+    # bodies, blocks' defaults or functions: `{values, hosted}`, the token's step
+    # handing them over to the rest (and the token itself, with no results of its own).
+    defp attached(result, %T{data: %Expr{id: token}} = node) do
+      {_, {values, _}} =
+        Composite.traverse(result, {[], %{}}, &attached_in(&1, &2, token))
+
+      values = values |> Enum.reverse() |> Enum.uniq_by(& &1.data.id)
+      {List.to_tuple(values), [{node, 0} | Enum.map(values, &{:value, &1})]}
+    end
+
+    defp attached_in(%T{data: %Expr{id: id, op: op, args: args}} = t, {values, seen}, token) do
+      cond do
+        Map.has_key?(seen, id) ->
+          {t, {values, seen}}
+
+        op == :attach_token and match?([%T{data: %Expr{id: ^token}}, _], args) ->
+          {t, {[List.last(args) | values], Map.put(seen, id, true)}}
+
+        true ->
+          {_, acc} =
+            Tree.apply_args(
+              t,
+              :scope,
+              {values, Map.put(seen, id, true)},
+              &attached_in(&1, &2, token)
+            )
+
+          {t, acc}
+      end
+    end
+
+    defp attached_in(other, acc, _token), do: {other, acc}
 
     defp program(lowered, opts) do
       Emily.Program.new(lowered.instrs,
