@@ -20,7 +20,44 @@ defmodule Emily.MixProject do
       description:
         "MLX for Elixir: an Nx backend and defn compiler on Apple's MLX (Metal, CUDA, CPU)",
       package: package(),
-      docs: [main: "readme", extras: ["README.md"], source_url: @source_url],
+      # ExDoc is not a dependency: with Debian's elixir-ex-doc (scripts/setup) it is in
+      # Elixir's own lib path, and `mix do compile --no-deps-check + docs` builds the docs
+      # without Hex (Nx's modules only where Nx is loaded).
+      docs: [
+        main: "readme",
+        source_url: @source_url,
+        source_ref: "v#{@version}",
+        extras:
+          ~w(README.md guides/getting_started.md guides/devices_and_variants.md
+             guides/bumblebee_and_serving.md guides/concurrency_with_streams.md
+             guides/memory.md guides/quantization.md guides/cuda_server.md
+             guides/fallbacks.md) ++
+            for(
+              nb <- ~w(getting_started defn_and_serving bumblebee_text bumblebee_vision
+                       quantized_decoder mixed_precision memory_and_telemetry),
+              do: {"notebooks/#{nb}.livemd", filename: "notebook_#{nb}"}
+            ),
+        groups_for_extras: [Guides: ~r"^guides/", Notebooks: ~r"^notebooks/"],
+        groups_for_modules: [
+          Nx: [Emily.Backend, Emily.Compiler, Emily.Fast],
+          "Quantization and training": [
+            Emily.Quantization,
+            Emily.QuantizedWeight,
+            Emily.Quantization.Layers,
+            Emily.MixedPrecision
+          ],
+          Runtime: [
+            Emily.Stream,
+            Emily.Memory,
+            Emily.Telemetry,
+            Emily.Fallback,
+            Emily.Debug,
+            Emily.KernelCache,
+            Emily.Doctor
+          ],
+          "Below Nx": [Emily, Emily.Native, Emily.Program, Emily.Error]
+        ]
+      ],
       test_coverage: [ignore_modules: [Emily.TestCase]]
     ]
   end
