@@ -91,6 +91,31 @@ if Code.ensure_loaded?(Nx) do
     (`dot`, and `Emily.Fast`'s norms and attention), and the run raises as the backend
     would.
 
+    ### Fusion
+
+    The native path also recognises, in the graphs Bumblebee's and Axon's layers build,
+    the subgraphs that compute RMS norm (Bumblebee's `rms_norm`, either upcast mode),
+    layer norm (Axon's `layer_norm`) and scaled dot-product attention (Bumblebee's
+    attention: `softmax(q·k * scale + bias) · v`, the bias its key and causal masks as
+    0 and the type's lowest value, keys and values repeated over grouped heads), and
+    runs MLX's fused kernel for each (those `Emily.Fast`'s blocks run): over the last
+    axis, the same epsilon at the same place, the mean and the biased variance, the
+    same additive mask (so a query that sees no key gets the mean of the values, as
+    unfused), the same scale (a number), grouped-query heads given to the kernel
+    unrepeated, the same result type and casts around the kernel. Anything else lowers
+    op by op. The kernels compute their statistics and the softmax in f32: a graph that
+    computes them in f32 gets the same values up to rounding; one that computes them in
+    f16 or bf16 (Axon's layer norm, Bumblebee's softmax, in those types) gets the more
+    precise result, within the type's rounding of the unfused one. The rewrites are
+    off with `fuse: false`, and under `:debug_detect_nan_inf` (whose checks follow the
+    ops `Emily.Backend` runs). Rotary embeddings are not rewritten: Bumblebee computes
+    them from its `position_ids` input, any positions, where MLX's kernel takes
+    consecutive ones from an offset.
+
+    Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
+    measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as
+    `fusions/3` lists them); `fusions/3` lists them for a function without running it.
+
     The **evaluator path** (`native: false`, and where the native path falls back) walks
     the `Nx.Defn.Expr` graph with `Nx.Defn.Evaluator`, with `Emily.Backend` as the
     default backend: every node becomes one lazy MLX op on the stream, `while` and
@@ -112,6 +137,8 @@ if Code.ensure_loaded?(Nx) do
         `Nx.Defn.Evaluator` takes them (this is how `Nx.Serving` streams and how
         `print_value` hooks are overridden).
       * `:native` - `false` for the evaluator path (default `true`: see above).
+      * `:fuse` - on the native path, `false` lowers every op as it is, without the
+        fused kernels of "Fusion" above (default `true`).
       * `:compile` - on the native path, compile the program with `mx::compile` (a
         graph deeper than a thread's stack can trace runs on the stream's worker, or
         there uncompiled: see `Emily.Program`). On the CPU, MLX builds each fused
@@ -403,7 +430,7 @@ if Code.ensure_loaded?(Nx) do
       stream = opts[:stream]
       {fun_key, opts_key} = keyed(key, opts)
       {cache?, opts} = Keyword.pop(opts, :cache, true)
-      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile])
+      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile, :fuse])
 
       compile = fn ->
         in_context(stream, backend, fn ->
@@ -424,6 +451,22 @@ if Code.ensure_loaded?(Nx) do
         end)
       end
     end
+
+    @doc """
+    The fused kernels the native path runs for `fun` on `args` (tensors or templates),
+    found by lowering its graph without running it, with the compiler options `opts`
+    (see "Fusion"): one map per rewrite, in the order the lowering made them, each with
+    `:rewrite` (`:rms_norm`, `:layer_norm` or `:scaled_dot_product_attention`), the
+    result's `:shape` and `:type`, and the kernel's parameters (`:eps`, `:weight`,
+    `:bias`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`). Empty
+    with `fuse: false`, and where the graph runs on the evaluator path.
+
+        Emily.Compiler.fusions(&MyModel.forward/2, [params, input])
+        #=> [%{rewrite: :rms_norm, eps: 1.0e-6, weight: true, shape: {1, 4, 32}, ...}, ...]
+    """
+    @spec fusions(function, [term], keyword) :: [map]
+    def fusions(fun, args, opts \\ []) when is_function(fun) and is_list(args),
+      do: Native.fusions(fun, args, opts)
 
     @impl true
     def __partitions_options__(opts) do

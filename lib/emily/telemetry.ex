@@ -30,6 +30,14 @@ defmodule Emily.Telemetry do
       (the callback's name, an atom), `shapes` and `types` (those of its tensor inputs,
       in order, e.g. `[{3}, {}]` and `[{:s, 32}, {:s, 32}]`).
 
+    * `[:emily, :compiler, :evaluator_fallback]` — a single event: a function that
+      `Emily.Compiler`'s native path could not lower runs on the evaluator path.
+      Metadata: `reason`.
+
+    * `[:emily, :compiler, :fusion]` — a single event: one lowered program's fused
+      kernels (`Emily.Compiler`, "Fusion"). Measurements: `count`. Metadata: `rewrites`
+      (as `Emily.Compiler.fusions/3` lists them).
+
     * `[:emily, :memory, :collect]` — a single event: a process's garbage was collected
       because the results `Emily.Backend` and `Emily.Compiler` handed it passed the
       budget (`Emily.Memory`, "Results the BEAM has not collected yet"). Measurements:

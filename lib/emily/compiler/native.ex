@@ -23,7 +23,7 @@ if Code.ensure_loaded?(Nx) do
     alias Nx.Defn.{Composite, Expr, Tree}
     alias Nx.Tensor, as: T
     alias Emily.Backend.Storage
-    alias Emily.Compiler.Native.{Ops, Plan}
+    alias Emily.Compiler.Native.{Fusion, Ops, Plan}
 
     @doc false
     # Lowers `fun.(vars)`. Returns `{plan, output, checks, read}`: the plan (Native.Plan)
@@ -109,14 +109,40 @@ if Code.ensure_loaded?(Nx) do
       {:lowered, lowered} -> lowered
     end
 
+    @doc false
+    # The rewrites (Native.Fusion) the native path's lowering of `fun` for `args` makes,
+    # in order, without running it; none where the graph falls back to the evaluator.
+    def fusions(fun, args, opts) do
+      opts = Keyword.put_new_lazy(opts, :device, &Emily.default_device/0)
+      apply(Nx.Defn.jit(fun, compiler: __MODULE__.Lowering, lowering: {:fusions, opts}), args)
+    catch
+      {:fusions, fused} -> fused
+    end
+
     defmodule Lowering do
       @moduledoc false
       # A defn compiler that only lowers, and throws the result out of the jit call.
       @behaviour Nx.Defn.Compiler
 
       @impl true
-      def __jit__(_key, vars, fun, _args, opts),
-        do: throw({:lowered, Emily.Compiler.Native.instructions(vars, fun, opts[:lowering])})
+      def __jit__(_key, vars, fun, _args, opts) do
+        case opts[:lowering] do
+          {:fusions, lowering} ->
+            {result, fused} =
+              Emily.Compiler.Native.Fusion.collect(fn ->
+                try do
+                  Emily.Compiler.Native.lower(vars, fun, lowering)
+                catch
+                  {:unsupported, reason} -> {:unsupported, reason}
+                end
+              end)
+
+            throw({:fusions, if(match?({:unsupported, _}, result), do: [], else: fused)})
+
+          lowering ->
+            throw({:lowered, Emily.Compiler.Native.instructions(vars, fun, lowering)})
+        end
+      end
 
       @impl true
       def __compile__(_key, _vars, _fun, _opts), do: raise("the lowering compiler only jits")
@@ -182,6 +208,8 @@ if Code.ensure_loaded?(Nx) do
         defaults: defaults,
         results: Map.new(hosted),
         hooks: opts[:hooks] || %{},
+        fuse: Fusion.enabled?(opts),
+        fused: [],
         nested: 0,
         instr_at: %{},
         const: MapSet.new(),
@@ -198,6 +226,7 @@ if Code.ensure_loaded?(Nx) do
         Composite.traverse(result, outputs, fn _, [t | rest] -> {Nx.to_template(t), rest} end)
 
       checks = Enum.reverse(st.checks)
+      Fusion.report(Enum.reverse(st.fused))
 
       lowered = %{
         instrs: Enum.reverse(st.instrs),
@@ -391,8 +420,17 @@ if Code.ensure_loaded?(Nx) do
 
         _ ->
           check_type(t.type, st.device)
-          {args, t} = devectorized(t)
-          {slot, st} = Ops.lower_op(t.data.op, args, t, st)
+
+          {slot, st} =
+            with true <- st.fuse,
+                 {slot, st} <- Fusion.rewrite(t, st) do
+              {slot, st}
+            else
+              _ ->
+                {args, t} = devectorized(t)
+                Ops.lower_op(t.data.op, args, t, st)
+            end
+
           {slot, %{st | memo: Map.put(st.memo, id, slot)}}
       end
     end

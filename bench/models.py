@@ -1,0 +1,197 @@
+"""Python side of bench/models.exs: mlx-lm (on the same libmlx as Emily) and Transformers
+on PyTorch, on the checkpoints bench/make_models.py makes. Each command prints
+`name value` lines (bench/support/bench.exs, `Bench.python/3`):
+
+    python3 bench/models.py generate mlx|torch DIR IDS N [DEVICE]
+        greedy generation of N tokens from the prompt in the file IDS (token ids, one
+        line, space-separated) with the checkpoint in DIR, in the checkpoint's dtype,
+        after a warm-up generation of 2 tokens from the prompt's first 8. Prints
+        prefill_ms (from the call to the first token), decode_tok_s (tokens 2..N over
+        the time from the first token to the last), total_s, rss_peak_mb (the process's
+        peak resident memory, loading included), mlx_peak_mb (MLX's own peak, mlx
+        only), and writes the generated ids to IDS.out. DEVICE: cpu (default) or cuda
+        (torch) / gpu (mlx).
+    python3 bench/models.py bandwidth
+        the memory bandwidth of a 1 GiB f32 copy (numpy: bytes read + written) and of a
+        sum over it (PyTorch, all threads: bytes read), GB/s.
+    python3 bench/models.py bert DIR BATCHES --serve
+        a server of timed windows (bench/support/bench.py, `serve`) of the BERT forward
+        pass (Transformers' BertModel, last hidden state and pooled output) on token ids
+        {batch, 128} (bench/models.exs sends the same ids), one run name per batch size:
+        `bert_B`.
+
+Threads: PyTorch uses every core (torch.set_num_threads(os.cpu_count())), as MLX's
+OpenBLAS does. mlx-lm is run with OpenBLAS preloaded (bench/models.exs sets LD_PRELOAD):
+the stock wheel's reference BLAS multiplies at a few GFLOP/s.
+"""
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
+import bench  # noqa: E402
+
+
+def rss_peak_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def read_ids(path):
+    with open(path) as f:
+        return [int(x) for x in f.read().split()]
+
+
+def mlx_generate(path, ids, n, device):
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    if device == "gpu":
+        mx.set_default_device(mx.gpu)
+    model, _ = load_model(Path(path))
+
+    def run(prompt, count):
+        sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
+        tokens, times = [], []
+        t0 = time.perf_counter()
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=count, sampler=sampler):
+            tokens.append(int(token))
+            times.append(time.perf_counter())
+        return t0, tokens, times
+
+    run(ids[:8], 2)
+    mx.reset_peak_memory()
+    t0, tokens, times = run(ids, n)
+    return t0, tokens, times, {"mlx_peak_mb": mx.get_peak_memory() / 2**20}
+
+
+def torch_generate(path, ids, n, device):
+    import torch
+    import transformers as tf
+    from transformers.generation.streamers import BaseStreamer
+
+    torch.set_num_threads(os.cpu_count())
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(device).eval()
+    # No end token: every run makes N tokens, as Bumblebee's and mlx-lm's do.
+    model.generation_config.eos_token_id = None
+
+    def config(count):
+        return tf.GenerationConfig(
+            do_sample=False, num_beams=1, max_new_tokens=count, eos_token_id=None,
+            pad_token_id=model.config.pad_token_id,
+        )
+
+    class Times(BaseStreamer):
+        """The time each new token arrives (the first put is the prompt)."""
+
+        def __init__(self):
+            self.times, self.puts = [], 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts > 1:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def run(prompt, count):
+        streamer = Times()
+        x = torch.tensor([prompt], device=device)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = model.generate(
+                input_ids=x, attention_mask=torch.ones_like(x),
+                generation_config=config(count),
+                streamer=streamer,
+            )
+        return t0, out[0, len(prompt):].tolist(), streamer.times
+
+    run(ids[:8], 2)
+    t0, tokens, times = run(ids, n)
+    return t0, tokens, times, {}
+
+
+def generate(impl, path, ids_file, n, device):
+    ids = read_ids(ids_file)
+    fun = {"mlx": mlx_generate, "torch": torch_generate}[impl]
+    t0, tokens, times, extra = fun(path, ids, n, device)
+    assert len(tokens) == n and len(times) == n, (len(tokens), len(times))
+    with open(ids_file + ".out", "w") as f:
+        f.write(" ".join(map(str, tokens)) + "\n")
+    figures = {
+        "prefill_ms": (times[0] - t0) * 1e3,
+        "decode_tok_s": (n - 1) / (times[-1] - times[0]),
+        "total_s": times[-1] - t0,
+        "rss_peak_mb": rss_peak_mb(),
+        **extra,
+    }
+    for name, value in figures.items():
+        print(f"{name} {value:.4f}", flush=True)
+
+
+def bandwidth():
+    import numpy as np
+    import torch
+
+    n = 256 * 2**20  # 1 GiB of f32
+    src = np.ones(n, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t = bench.best(lambda: np.copyto(dst, src), 1, rounds=5) / 1e6
+    print(f"copy_gbs {2 * n * 4 / t / 1e9:.4f}")
+    torch.set_num_threads(os.cpu_count())
+    x = torch.from_numpy(src)
+    t = bench.best(lambda: x.sum(), 1, rounds=5) / 1e6
+    print(f"read_gbs {n * 4 / t / 1e9:.4f}", flush=True)
+
+
+def bert(path, batches):
+    import torch
+    import transformers as tf
+
+    torch.set_num_threads(os.cpu_count())
+    model = tf.BertModel.from_pretrained(path).eval()
+    runs = {}
+    for b in batches:
+        x = bert_ids(b, model.config.vocab_size)
+        mask = torch.ones_like(x)
+
+        def run(x=x, mask=mask):
+            with torch.no_grad():
+                out = model(input_ids=x, attention_mask=mask)
+            return out.last_hidden_state, out.pooler_output
+
+        runs[f"bert_{b}"] = run
+    bench.serve(runs)
+
+
+def bert_ids(batch, vocab, seq=128):
+    """Token ids {batch, seq}: (i * 7919 + 13) mod vocab over the flat index, the formula
+    bench/models.exs uses."""
+    import torch
+
+    return (torch.arange(batch * seq, dtype=torch.int64) * 7919 + 13).remainder(vocab).reshape(batch, seq)
+
+
+def main():
+    cmd = sys.argv[1]
+    if cmd == "generate":
+        impl, path, ids_file, n = sys.argv[2:6]
+        device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+        generate(impl, path, ids_file, int(n), device)
+    elif cmd == "bandwidth":
+        bandwidth()
+    elif cmd == "bert":
+        bert(sys.argv[2], [int(b) for b in sys.argv[3].split(",")])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,592 @@
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Compiler.Native.Fusion do
+    @moduledoc false
+    # Rewrites of the native path (Emily.Compiler.Native): subgraphs that compute RMS
+    # norm, layer norm or scaled dot-product attention as chains of Nx ops, in the exact
+    # form Bumblebee's and Axon's layers write them, lowered to MLX's fused kernel for
+    # that function (the ops Emily.Fast's blocks lower to). A node is rewritten when it
+    # is the root of such a subgraph, matched on its ops, arguments and shapes; the
+    # nodes inside are then not lowered (unless something else reads them, which
+    # lowers them as usual).
+    #
+    # A rewrite fires only where the kernel computes the graph's function: the same
+    # reduction axis (the last) and divisor (its size: a mean, a biased variance), the
+    # same epsilon added at the same place, the same additive mask, the same scale, the
+    # same result type, and the same casts around the kernel. MLX's kernels compute
+    # their statistics and the softmax in f32: a graph that computes them in f32 gets
+    # the same values up to rounding; one that computes them in f16 or bf16 gets the
+    # more precise result (the kernel never computes in a narrower type than the graph).
+    # Anything else (another axis or divisor, epsilon outside the square root, a mask
+    # that replaces scores rather than adding to them, a lossy cast of the input before
+    # the statistics, f64, vectorized tensors) is not matched and lowers op by op.
+
+    alias Nx.Tensor, as: T
+    alias Nx.Defn.Expr
+
+    import Emily.Compiler.Native, only: [emit: 3, operand: 3]
+
+    @kernel_types [{:f, 16}, {:bf, 16}, {:f, 32}]
+
+    @doc false
+    # The slot of `t` lowered to a fused kernel, with the rewrite recorded in
+    # `st.fused`; nil where no rewrite matches `t`.
+    def rewrite(%T{data: %Expr{op: op}} = t, st) when op in [:multiply, :add, :dot] do
+      case match(t) do
+        nil -> nil
+        {info, build} -> record(build.(st), Map.put(info, :shape, t.shape), t)
+      end
+    end
+
+    def rewrite(_t, _st), do: nil
+
+    @doc false
+    # Whether the lowering rewrites (the compiler's `:fuse` option, default true). Not
+    # under :debug_detect_nan_inf, whose checks follow the ops Emily.Backend runs.
+    def enabled?(opts),
+      do: Keyword.get(opts, :fuse, true) != false and not Emily.Debug.detect_nan_inf?()
+
+    @telemetry? Code.ensure_loaded?(:telemetry)
+    @collect {__MODULE__, :collect}
+
+    @doc false
+    # Reports the rewrites one program's lowering made (in order): the
+    # `[:emily, :compiler, :fusion]` event, and the list `collect/1` gathers.
+    def report([]), do: :ok
+
+    def report(fused) do
+      if @telemetry? do
+        :telemetry.execute([:emily, :compiler, :fusion], %{count: length(fused)}, %{
+          rewrites: fused
+        })
+      end
+
+      case Process.get(@collect) do
+        nil -> :ok
+        acc -> Process.put(@collect, [fused | acc])
+      end
+
+      :ok
+    end
+
+    @doc false
+    # The rewrites the lowerings `fun` runs make, in order, with what `fun` returns.
+    def collect(fun) do
+      previous = Process.put(@collect, [])
+
+      try do
+        result = fun.()
+        {result, @collect |> Process.get() |> Enum.reverse() |> Enum.concat()}
+      after
+        if previous, do: Process.put(@collect, previous), else: Process.delete(@collect)
+      end
+    end
+
+    defp record({slot, st}, info, %T{type: type}),
+      do: {slot, %{st | fused: [Map.put(info, :type, type) | st.fused]}}
+
+    defp match(%T{vectorized_axes: [_ | _]}), do: nil
+    defp match(%T{shape: {}}), do: nil
+    defp match(%T{type: type}) when type not in @kernel_types, do: nil
+
+    defp match(%T{data: %Expr{op: :dot}} = t), do: attention(t)
+
+    # (A layer norm without weight and bias is also the RMS norm of the centered input:
+    # the layer norm kernel takes the centering too.)
+    defp match(%T{data: %Expr{op: :multiply}} = t), do: layer_norm(t) || rms_norm(t)
+
+    defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t)
+
+    ## RMS norm
+
+    # `x * rsqrt(mean(x², -1) + eps)`, cast or not, times a weight vector or not:
+    # Bumblebee's rms_norm (either upcast mode: the input cast to f32, or input and
+    # weight) and Emily.Fast's composition. MLX computes the normalized value in f32,
+    # casts it to the result type, then multiplies by the weight in that type.
+    defp rms_norm(%T{shape: shape, type: type, data: %Expr{args: [l, r]}} = t) do
+      h = last(shape)
+
+      weighted =
+        Enum.find_value([{l, r}, {r, l}], fn {a, w} ->
+          with %T{shape: {^h}, type: {k, _}} when k in [:f, :bf] <- w,
+               %T{type: ^type} <- a,
+               {x0, eps} <- rms_normalized(strip_cast(a), type, shape) do
+            {x0, w, eps}
+          else
+            _ -> nil
+          end
+        end)
+
+      case weighted || rms_unweighted(t, type, shape) do
+        {x0, w, eps} ->
+          build = fn st ->
+            {x, st} = operand(x0, type, st)
+            {w, st} = if w, do: operand(w, type, st), else: {nil, st}
+            emit(st, :rms_norm, [x, w, eps])
+          end
+
+          {%{rewrite: :rms_norm, eps: eps, weight: w != nil}, build}
+
+        nil ->
+          nil
+      end
+    end
+
+    defp rms_unweighted(t, type, shape) do
+      case rms_normalized({t, type}, type, shape) do
+        {x0, eps} -> {x0, nil, eps}
+        nil -> nil
+      end
+    end
+
+    # `m = x * rsqrt(mean(x * x) + eps)` (`{m, type before a cast}`) whose result cast
+    # to `type` is what MLX's kernel gives for the input `x0`: the input before an
+    # upcast that keeps it exactly.
+    defp rms_normalized({m, _}, type, shape) do
+      with %T{shape: ^shape, type: stats, data: %Expr{op: :multiply, args: [p, q]}} <- m,
+           true <- stats in @kernel_types,
+           {x, eps} <-
+             Enum.find_value([{p, q}, {q, p}], fn {x, rs} ->
+               with %T{shape: ^shape, type: ^stats} <- x,
+                    {:ok, eps, inner} <- rsqrt_eps(rs),
+                    true <- mean_last?(inner, x, &square_of?(&1, x)) do
+                 {x, eps}
+               else
+                 _ -> nil
+               end
+             end),
+           {:ok, x0} <- exact_input(x, type) do
+        {x0, eps}
+      else
+        _ -> nil
+      end
+    end
+
+    # The input the kernel is given for `x` (the tensor the statistics are computed
+    # from) with `type` as the result type: x itself, or what x is an upcast of, where
+    # casting that to `type` and then to f32 gives x (so the kernel sees the same
+    # values). nil where the kernel would see other values.
+    defp exact_input(%T{type: xt} = x, type) do
+      x0 =
+        case strip(x) do
+          %T{data: %Expr{op: :as_type, args: [%T{type: from} = x0]}} when from in @kernel_types ->
+            x0
+
+          _ ->
+            x
+        end
+
+      cond do
+        x0.type == type -> {:ok, x0}
+        type == {:f, 32} and x0.type in @kernel_types -> {:ok, x0}
+        xt == type -> {:ok, x}
+        true -> nil
+      end
+    end
+
+    ## Layer norm
+
+    # Axon's layer_norm, `gamma * rsqrt(var(x) + eps) * (x - mean(x)) + beta` (gamma and
+    # beta reshaped to `{1, ..., 1, H}`), and the order MLX and Emily.Fast write it in,
+    # `(x - mean(x)) * rsqrt(var(x) + eps) * weight + bias`, with or without the weight
+    # and the bias. The variance is the biased one (divided by H), as MLX's.
+    defp layer_norm(%T{shape: shape, type: type, data: %Expr{op: :add, args: [l, r]}}) do
+      Enum.find_value([{l, r}, {r, l}], fn {y, b} ->
+        with true <- affine_vector?(b, shape),
+             {x0, w, eps} <- ln_product(y, type, shape) do
+          ln_build(x0, w, b, eps, type, shape)
+        else
+          _ -> nil
+        end
+      end)
+    end
+
+    defp layer_norm(%T{shape: shape, type: type} = t) do
+      case ln_product(t, type, shape) do
+        {x0, w, eps} -> ln_build(x0, w, nil, eps, type, shape)
+        nil -> nil
+      end
+    end
+
+    defp ln_build(x0, w, b, eps, type, shape) do
+      h = last(shape)
+
+      build = fn st ->
+        {x, st} = operand(x0, type, st)
+        {w, st} = vector(w, h, type, st)
+        {b, st} = vector(b, h, type, st)
+        emit(st, :layer_norm, [x, w, b, eps])
+      end
+
+      {%{rewrite: :layer_norm, eps: eps, weight: w != nil, bias: b != nil}, build}
+    end
+
+    defp vector(nil, _h, _type, st), do: {nil, st}
+
+    defp vector(v, h, type, st) do
+      {slot, st} = operand(v, type, st)
+      if v.shape == {h}, do: {slot, st}, else: emit(st, :reshape, [slot, {h}])
+    end
+
+    # A product of `x - mean(x)`, `rsqrt(var(x) + eps)` and at most one weight vector,
+    # in any order and grouping: `{x0, weight | nil, eps}`.
+    defp ln_product(%T{shape: shape, data: %Expr{op: :multiply}} = t, type, shape) do
+      factors = factors(t, 2)
+
+      with n when n in [2, 3] <- length(factors),
+           {[c], rest} <- Enum.split_with(factors, &centered_input(&1, shape)),
+           x = centered_input(c, shape),
+           {[rs], rest} <-
+             Enum.split_with(rest, &match?({:ok, _, _}, ln_rsqrt(&1, x))),
+           {:ok, eps, _} <- ln_rsqrt(rs, x),
+           w when w == [] or length(w) == 1 <- rest,
+           w = List.first(w),
+           true <- w == nil or affine_vector?(w, shape),
+           true <- x.type in @kernel_types,
+           {:ok, x0} <- exact_input(x, type) do
+        {x0, w, eps}
+      else
+        _ -> nil
+      end
+    end
+
+    defp ln_product(_t, _type, _shape), do: nil
+
+    # The leaves of a tree of multiplies, `depth` levels at most, not entering the
+    # factors a layer norm is made of.
+    defp factors(t, depth) do
+      case strip(t) do
+        %T{data: %Expr{op: :multiply, args: [a, b]}} when depth > 0 ->
+          factors(a, depth - 1) ++ factors(b, depth - 1)
+
+        _ ->
+          [t]
+      end
+    end
+
+    # x where `t` is `x - mean(x)` of x's shape; else nil.
+    defp centered_input(t, shape) do
+      with %T{shape: ^shape, data: %Expr{op: :subtract, args: [x, mean]}} <- strip(t),
+           %T{shape: ^shape} <- x,
+           true <- mean_last?(mean, x, &same?(&1, x)) do
+        x
+      else
+        _ -> nil
+      end
+    end
+
+    # `rsqrt(var(x) + eps)`: `{:ok, eps, var}`.
+    defp ln_rsqrt(t, x) do
+      with {:ok, eps, var} <- rsqrt_eps(t),
+           true <- mean_last?(var, x, &centered_square?(&1, x)) do
+        {:ok, eps, var}
+      else
+        _ -> nil
+      end
+    end
+
+    # `(x - mean(x))²`, as `pow(c, 2)` or `c * c` of one node `c`.
+    defp centered_square?(t, x) do
+      case strip(t) do
+        %T{data: %Expr{op: :pow, args: [c, two]}} ->
+          constant(two) == 2 and same?(centered_input(c, x.shape), x)
+
+        %T{data: %Expr{op: :multiply, args: [a, b]}} ->
+          same?(a, b) and same?(centered_input(a, x.shape), x)
+
+        _ ->
+          false
+      end
+    end
+
+    # A weight or bias vector as a layer norm takes it: `{H}`, or `{1, ..., 1, H}` of the
+    # input's rank (Axon reshapes them so), of a floating type.
+    defp affine_vector?(%T{shape: vshape, type: {k, _}} = v, shape)
+         when k in [:f, :bf] and v.vectorized_axes == [] and tuple_size(shape) > 0 do
+      h = last(shape)
+      rank = tuple_size(shape)
+
+      vshape == {h} or
+        (tuple_size(vshape) == rank and
+           Tuple.to_list(vshape) == List.duplicate(1, rank - 1) ++ [h])
+    end
+
+    defp affine_vector?(_v, _shape), do: false
+
+    ## Attention
+
+    # Bumblebee's attention (Layers.attention: attention_weights_impl, then
+    # attention_output_impl), on `[B, heads, L, D]` queries, keys and values:
+    # `softmax(q·k * scale + bias) · v`, the softmax as Axon writes it
+    # (`exp(s - max(s)) * (1 / sum(exp(s - max(s))))`), bias the additive mask
+    # Bumblebee builds from its key mask and causal mask (`select(mask, 0, lowest)`), or
+    # any other floating-point tensor it adds (the kernel adds the same), or none. Keys
+    # and values repeated for grouped-query attention (Bumblebee's repeat_interleave
+    # over the heads) are given to the kernel unrepeated, as it computes grouped heads
+    # itself.
+    defp attention(%T{type: type, data: %Expr{args: [p, [3], [0, 1], v, [2], [0, 1]]}}) do
+      with %T{type: ^type, shape: {_, _, _, _} = sshape} <- p,
+           %T{type: ^type, shape: {_, _, _, _}} <- v,
+           {:ok, s} <- softmax_last(p),
+           %T{type: ^type, shape: ^sshape} <- s,
+           {:ok, scores, bias} <- scores_and_bias(s),
+           {:ok, scale, d} <- scaled(scores),
+           %T{type: ^type, data: %Expr{op: :dot, args: [q, [3], [0, 1], k, [3], [0, 1]]}} <- d,
+           %T{type: ^type} <- q,
+           %T{type: ^type} <- k,
+           true <- bias == nil or mask_shape?(bias, sshape) do
+        {k, v, groups} = unrepeated(k, v)
+        nq = elem(q.shape, 1)
+        build = fn st -> attention_build(q, k, v, scale, bias, type, st) end
+        info = %{rewrite: :scaled_dot_product_attention, mask: bias && :additive}
+        {Map.merge(info, %{heads: {nq, div(nq, groups)}, scale: scale}), build}
+      else
+        _ -> nil
+      end
+    end
+
+    defp attention(_t), do: nil
+
+    defp attention_build(q, k, v, scale, bias, type, st) do
+      {q, st} = operand(q, type, st)
+      {k, st} = heads_first(k, type, st)
+      {v, st} = heads_first(v, type, st)
+
+      {mask, st} =
+        case bias do
+          nil ->
+            {["", nil], st}
+
+          bias ->
+            {slot, st} = operand(bias, type, st)
+            {["array", slot], st}
+        end
+
+      emit(st, :scaled_dot_product_attention, [q, k, v, scale] ++ mask ++ [nil])
+    end
+
+    # A key or value: the node itself, or `{:unrepeated, x}`, the unrepeated
+    # `[B, L, heads, D]` tensor to transpose.
+    defp heads_first({:unrepeated, x}, type, st) do
+      {slot, st} = operand(x, type, st)
+      emit(st, :transpose, [slot, [0, 2, 1, 3]])
+    end
+
+    defp heads_first(x, type, st), do: operand(x, type, st)
+
+    # `exp(s - max(s)) / sum(exp(s - max(s)))` over the last axis (Axon's softmax: the
+    # reciprocal of the sum times the exponentials, the max under stop_grad), or the
+    # plain quotient: `{:ok, s}`.
+    defp softmax_last(p) do
+      with {e, z} <- quotient(strip(p)),
+           %T{data: %Expr{op: :sum, args: [e2, opts]}} <- strip(z),
+           true <- same?(e, e2) and last_axis?(opts, e),
+           %T{data: %Expr{op: :exp, args: [diff]}} <- strip(e),
+           %T{data: %Expr{op: :subtract, args: [s, mx]}} <- strip(diff),
+           %T{data: %Expr{op: :reduce_max, args: [s2, mopts]}} <- strip(mx),
+           true <- same?(s, s2) and last_axis?(mopts, s) do
+        {:ok, strip(s)}
+      else
+        _ -> nil
+      end
+    end
+
+    defp quotient(%T{data: %Expr{op: :divide, args: [e, z]}}), do: {e, z}
+
+    defp quotient(%T{data: %Expr{op: :multiply, args: [a, b]}}) do
+      Enum.find_value([{a, b}, {b, a}], fn {inv, e} ->
+        case strip(inv) do
+          %T{data: %Expr{op: :divide, args: [one, z]}} -> if constant(one) == 1, do: {e, z}
+          _ -> nil
+        end
+      end)
+    end
+
+    defp quotient(_p), do: nil
+
+    # The scores before the mask, and the additive mask (or nil).
+    defp scores_and_bias(%T{shape: shape, data: %Expr{op: :add, args: [a, b]}}) do
+      Enum.find_value([{a, b}, {b, a}], fn {scores, bias} ->
+        with %T{shape: ^shape} <- scores, {:ok, _, _} <- scaled(scores) do
+          {:ok, scores, bias}
+        else
+          _ -> nil
+        end
+      end)
+    end
+
+    defp scores_and_bias(s), do: {:ok, s, nil}
+
+    # `q·k * scale` (scale a number), or `q·k`: `{:ok, scale, dot}`.
+    defp scaled(t) do
+      case strip(t) do
+        %T{shape: shape, data: %Expr{op: :multiply, args: [a, b]}} ->
+          Enum.find_value([{a, b}, {b, a}], fn {c, d} ->
+            with scale when is_number(scale) <- constant(c),
+                 %T{shape: ^shape, data: %Expr{op: :dot}} <- strip(d) do
+              {:ok, scale * 1.0, strip(d)}
+            else
+              _ -> nil
+            end
+          end)
+
+        %T{data: %Expr{op: :dot}} = d ->
+          {:ok, 1.0, d}
+
+        _ ->
+          nil
+      end
+    end
+
+    # A floating-point mask of rank 4 or less that broadcasts to the scores' shape
+    # (from the right, as Nx's add and MLX's mask do) without widening them.
+    defp mask_shape?(%T{shape: mshape, type: {k, _}} = m, sshape)
+         when k in [:f, :bf] and m.vectorized_axes == [] do
+      dims = Tuple.to_list(mshape)
+
+      length(dims) <= 4 and
+        dims
+        |> Enum.reverse()
+        |> Enum.zip(Enum.reverse(Tuple.to_list(sshape)))
+        |> Enum.all?(fn {m, s} -> m == 1 or m == s end)
+    end
+
+    defp mask_shape?(_m, _shape), do: false
+
+    # Keys and values `transpose(repeat_interleave(x, groups, axis: 2), [0, 2, 1, 3])`
+    # both (same groups): `{{:unrepeated, k0}, {:unrepeated, v0}, groups}`; otherwise
+    # as they are, one group.
+    defp unrepeated(k, v) do
+      with {:ok, k0, g} <- repeated_heads(k),
+           {:ok, v0, ^g} <- repeated_heads(v) do
+        {{:unrepeated, k0}, {:unrepeated, v0}, g}
+      else
+        _ -> {k, v, 1}
+      end
+    end
+
+    # `transpose(r, [0, 2, 1, 3])` where r `{B, L, H * g, D}` repeats each head of
+    # `x0` (`{B, L, H, D}`) g times in place (r[.., h, ..] = x0[.., div(h, g), ..]):
+    # reshapes that keep the element order, a broadcast of one unit axis to g, reshapes
+    # again. The broadcast axis must sit where, in element order, everything before it
+    # is B * L * H and everything after it D.
+    defp repeated_heads(t) do
+      with %T{data: %Expr{op: :transpose, args: [r, [0, 2, 1, 3]]}} <- strip(t),
+           {b, l, hg, d} <- r.shape,
+           %T{data: %Expr{op: :broadcast, args: [pre, out, axes]}} = bc <- through_reshapes(r),
+           true <- axes == Enum.to_list(0..(tuple_size(out) - 1)//1),
+           true <- tuple_size(pre.shape) == tuple_size(out),
+           [{p, g}] <- expanded(pre.shape, out),
+           true <- is_integer(g) and g > 1 and rem(hg, g) == 0,
+           in_dims = Tuple.to_list(pre.shape),
+           true <- product(Enum.take(in_dims, p)) == b * l * div(hg, g),
+           true <- product(Enum.drop(in_dims, p + 1)) == d,
+           %T{} = x0 <- reshaped_from(pre, {b, l, div(hg, g), d}),
+           true <- bc.type == x0.type and x0.type == r.type do
+        {:ok, x0, g}
+      else
+        _ -> nil
+      end
+    end
+
+    # The node of `shape` that `t` is a chain of reshapes of (the same elements in the
+    # same order), `t` itself included; nil if none.
+    defp reshaped_from(t, shape) do
+      case strip(t) do
+        %T{shape: ^shape} = x -> x
+        %T{data: %Expr{op: :reshape, args: [x]}} -> reshaped_from(x, shape)
+        _ -> nil
+      end
+    end
+
+    defp through_reshapes(t) do
+      case strip(t) do
+        %T{data: %Expr{op: :reshape, args: [x]}} -> through_reshapes(x)
+        other -> other
+      end
+    end
+
+    # The axes a broadcast of the same rank widens: `[{axis, size}]`.
+    defp expanded(from, to) do
+      for {{f, s}, i} <- Enum.zip(Tuple.to_list(from), Tuple.to_list(to)) |> Enum.with_index(),
+          f != s,
+          do: if(f == 1, do: {i, s}, else: {i, :mismatch})
+    end
+
+    defp product(dims), do: Enum.reduce(dims, 1, &(&1 * &2))
+
+    ## Shared pieces
+
+    # `rsqrt(v + eps)` (eps a number, on either side): `{:ok, eps, v}`.
+    defp rsqrt_eps(t) do
+      with %T{data: %Expr{op: :rsqrt, args: [s]}} <- strip(t),
+           %T{shape: shape, data: %Expr{op: :add, args: [a, b]}} <- strip(s) do
+        Enum.find_value([{a, b}, {b, a}], fn {e, v} ->
+          with eps when is_number(eps) <- constant(e),
+               %T{shape: ^shape} <- v do
+            {:ok, eps * 1.0, v}
+          else
+            _ -> nil
+          end
+        end)
+      else
+        _ -> nil
+      end
+    end
+
+    # Whether `t` is the mean over the last axis of x's shape (kept) of a node for which
+    # `of?` holds: `sum(y, axes: [last], keep_axes: true) / H`.
+    defp mean_last?(t, x, of?) do
+      h = last(x.shape)
+
+      with %T{data: %Expr{op: :divide, args: [s, n]}} <- strip(t),
+           true <- constant(n) == h,
+           %T{data: %Expr{op: :sum, args: [y, opts]}} <- strip(s),
+           true <- last_axis?(opts, x) and y.shape == x.shape do
+        of?.(y)
+      else
+        _ -> false
+      end
+    end
+
+    # Reduction options naming x's last axis alone, kept.
+    defp last_axis?(opts, %T{shape: shape}) do
+      opts[:axes] == [tuple_size(shape) - 1] and opts[:keep_axes] == true
+    end
+
+    defp square_of?(t, x) do
+      case strip(t) do
+        %T{data: %Expr{op: :pow, args: [y, two]}} -> same?(y, x) and constant(two) == 2
+        %T{data: %Expr{op: :multiply, args: [a, b]}} -> same?(a, x) and same?(b, x)
+        _ -> false
+      end
+    end
+
+    defp strip_cast(t) do
+      case strip(t) do
+        %T{data: %Expr{op: :as_type, args: [%T{type: from} = m]}} -> {m, from}
+        m -> {m, m.type}
+      end
+    end
+
+    # A node without the metadata around it (stop_grad, a custom gradient, Axon's cached
+    # logits): lowered as the node itself.
+    defp strip(%T{data: %Expr{op: :metadata, args: [%T{} = inner, _meta]}}), do: strip(inner)
+    defp strip(t), do: t
+
+    defp same?(%T{} = a, %T{} = b), do: strip(a).data.id == strip(b).data.id
+    defp same?(_a, _b), do: false
+
+    # The number a constant node holds (every element of it); nil for anything else.
+    defp constant(%T{} = t) do
+      case strip(t) do
+        %T{data: %Expr{op: :constant, args: [v]}} when is_number(v) -> v
+        _ -> nil
+      end
+    end
+
+    defp constant(_), do: nil
+
+    defp last(shape) when tuple_size(shape) > 0, do: elem(shape, tuple_size(shape) - 1)
+    defp last(_shape), do: nil
+  end
+end

@@ -1,0 +1,400 @@
+# Emily.Compiler's fusion rewrites (Emily.Compiler.Native.Fusion): RMS norm, layer norm
+# and attention written as Bumblebee's and Axon's layers write them, compiled with the
+# rewrites and without (`fuse: false`) on random inputs, within the fused kernels'
+# tolerance, with the listing (`Emily.Compiler.fusions/3`) and the telemetry naming what
+# fired; and the near misses that must not be rewritten (epsilon elsewhere, another axis
+# or divisor, a lossy cast, a mask that replaces scores, a softmax over another axis).
+if Code.ensure_loaded?(Nx) do
+  defmodule Emily.Nx.FusionTest do
+    use ExUnit.Case, async: false
+    @moduletag :nx
+
+    import Nx.Defn
+
+    ## The graphs, as the libraries build them
+
+    # Bumblebee's RMS norm, `upcast: :normalization`: the statistics in f32, the
+    # normalized value cast back to the input's type, times `shift + weight`.
+    defn bb_rms(x, w, opts \\ []) do
+      opts = keyword!(opts, eps: 1.0e-6, shift: 0.0)
+      xf = Nx.as_type(x, :f32)
+      ms = xf |> Nx.pow(2) |> Nx.mean(axes: [-1], keep_axes: true)
+      normalized = Nx.as_type(xf * Nx.rsqrt(ms + opts[:eps]), Nx.type(x))
+      normalized * (opts[:shift] + w)
+    end
+
+    # Bumblebee's RMS norm, `upcast: :all`: input and weight in f32, an f32 result.
+    defn bb_rms_all(x, w) do
+      xf = Nx.as_type(x, :f32)
+      wf = Nx.as_type(w, :f32)
+      ms = xf |> Nx.pow(2) |> Nx.mean(axes: [-1], keep_axes: true)
+      xf * Nx.rsqrt(ms + 1.0e-5) * wf
+    end
+
+    defn rms_plain(x) do
+      x * Nx.rsqrt(Nx.mean(x * x, axes: [-1], keep_axes: true) + 1.0e-6)
+    end
+
+    # Not RMS norms as MLX computes them.
+    defn rms_eps_outside(x, w) do
+      ms = Nx.mean(Nx.pow(x, 2), axes: [-1], keep_axes: true)
+      x / (Nx.sqrt(ms) + 1.0e-6) * w
+    end
+
+    defn rms_other_axis(x, w) do
+      ms = Nx.mean(Nx.pow(x, 2), axes: [1], keep_axes: true)
+      x * Nx.rsqrt(ms + 1.0e-6) * w
+    end
+
+    defn rms_other_divisor(x, w) do
+      ms = Nx.sum(Nx.pow(x, 2), axes: [-1], keep_axes: true) / (Nx.axis_size(x, -1) - 1)
+      x * Nx.rsqrt(ms + 1.0e-6) * w
+    end
+
+    # f32 statistics whose result is cast down to bf16 before a bf16 weight: a weighted
+    # kernel in bf16 would see the input rounded to bf16.
+    defn rms_lossy(x, w) do
+      ms = Nx.mean(Nx.pow(x, 2), axes: [-1], keep_axes: true)
+      Nx.as_type(x * Nx.rsqrt(ms + 1.0e-6), :bf16) * w
+    end
+
+    # Axon's layer norm: gamma and beta reshaped to `{1, ..., 1, H}`,
+    # `gamma * rsqrt(var + eps) * (x - mean) + beta`.
+    defn axon_ln(x, gamma, beta, opts \\ []) do
+      opts = keyword!(opts, eps: 1.0e-5, ddof: 0)
+      gamma = Nx.reshape(gamma, param_shape(x))
+      beta = Nx.reshape(beta, param_shape(x))
+      mean = Nx.mean(x, axes: [-1], keep_axes: true)
+      var = Nx.variance(x, axes: [-1], keep_axes: true, ddof: opts[:ddof])
+      scale = gamma * Nx.rsqrt(var + opts[:eps])
+      scale * (x - mean) + beta
+    end
+
+    deftransformp param_shape(x) do
+      rank = Nx.rank(x)
+      List.to_tuple(List.duplicate(1, rank - 1) ++ [Nx.axis_size(x, -1)])
+    end
+
+    # The order MLX and Emily.Fast write it in, with or without weight and bias.
+    defn ln_mlx_order(x, w, b) do
+      c = x - Nx.mean(x, axes: [-1], keep_axes: true)
+      var = Nx.mean(c * c, axes: [-1], keep_axes: true)
+      c * Nx.rsqrt(var + 1.0e-6) * w + b
+    end
+
+    defn ln_no_affine(x) do
+      c = x - Nx.mean(x, axes: [-1], keep_axes: true)
+      c * Nx.rsqrt(Nx.mean(c * c, axes: [-1], keep_axes: true) + 1.0e-6)
+    end
+
+    defn ln_eps_outside(x, w, b) do
+      c = x - Nx.mean(x, axes: [-1], keep_axes: true)
+      var = Nx.mean(c * c, axes: [-1], keep_axes: true)
+      c / (Nx.sqrt(var) + 1.0e-5) * w + b
+    end
+
+    # Bumblebee's attention (attention_weights_impl and attention_output_impl) on
+    # `{B, L, heads, D}` projections: the key mask and the causal mask (from `offset`,
+    # the cache position) as an additive bias of 0 and the type's lowest value, Axon's
+    # softmax, and keys and values repeated over grouped heads as Bumblebee repeats them.
+    defn bb_attention(q, k, v, key_mask, offset, opts \\ []) do
+      opts = keyword!(opts, causal: true, groups: 1, scale: nil)
+      k = repeat_heads(k, opts[:groups])
+      v = repeat_heads(v, opts[:groups])
+      q = Nx.transpose(q, axes: [0, 2, 1, 3])
+      k = Nx.transpose(k, axes: [0, 2, 1, 3])
+      weights = Nx.dot(q, [3], [0, 1], k, [3], [0, 1])
+      weights = weights * attention_scale(q, opts[:scale])
+      key_mask = key_mask |> Nx.new_axis(1) |> Nx.new_axis(1)
+      causal = causal_mask(Nx.axis_size(q, 2), Nx.axis_size(k, 2), offset, opts[:causal])
+      mask = key_mask and causal |> Nx.new_axis(0) |> Nx.new_axis(0)
+      zero = Nx.tensor(0.0, type: Nx.type(q))
+      bias = Nx.select(mask, zero, Nx.Constants.min_finite(Nx.type(q)))
+      weights = axon_softmax(weights + bias)
+      v = Nx.transpose(v, axes: [0, 2, 1, 3])
+      out = Nx.dot(weights, [3], [0, 1], v, [2], [0, 1])
+      Nx.transpose(out, axes: [0, 2, 1, 3])
+    end
+
+    deftransformp(attention_scale(q, nil),
+      do: Nx.divide(1, Nx.as_type(Nx.sqrt(Nx.axis_size(q, -1)), Nx.type(q)))
+    )
+
+    deftransformp(attention_scale(_q, scale), do: scale)
+
+    deftransformp causal_mask(lq, lk, offset, causal?) do
+      if causal?,
+        do: Nx.greater_equal(Nx.add(Nx.iota({lq, 1}), offset), Nx.iota({1, lk})),
+        else: Nx.broadcast(1, {1, 1})
+    end
+
+    deftransformp(repeat_heads(x, 1), do: x)
+
+    deftransformp repeat_heads(x, times) do
+      x
+      |> Nx.new_axis(3)
+      |> Nx.tile([1, 1, 1, times, 1])
+      |> Nx.flatten(axes: [2, 3])
+    end
+
+    defnp axon_softmax(x) do
+      max = stop_grad(Nx.reduce_max(x, axes: [-1], keep_axes: true))
+      e = Nx.exp(x - max)
+      1 / Nx.sum(e, axes: [-1], keep_axes: true) * e
+    end
+
+    # Masks that replace the scores (select to -inf) rather than add to them; a softmax
+    # over the query axis; a scale that is a tensor input.
+    defn attention_select_mask(q, k, v, key_mask) do
+      scores = heads_dot(q, k) * 0.5
+      keep = Nx.broadcast(key_mask |> Nx.new_axis(1) |> Nx.new_axis(1), Nx.shape(scores))
+      scores = Nx.select(keep, scores, Nx.Constants.neg_infinity(Nx.type(q)))
+      attend(axon_softmax(scores), v)
+    end
+
+    defn attention_other_axis(q, k, v) do
+      scores = heads_dot(q, k) * 0.5
+      max = Nx.reduce_max(scores, axes: [2], keep_axes: true)
+      e = Nx.exp(scores - max)
+      attend(e / Nx.sum(e, axes: [2], keep_axes: true), v)
+    end
+
+    defn attention_tensor_scale(q, k, v, scale) do
+      attend(axon_softmax(heads_dot(q, k) * scale), v)
+    end
+
+    defnp heads_dot(q, k) do
+      Nx.dot(
+        Nx.transpose(q, axes: [0, 2, 1, 3]),
+        [3],
+        [0, 1],
+        Nx.transpose(k, axes: [0, 2, 1, 3]),
+        [3],
+        [0, 1]
+      )
+    end
+
+    defnp attend(weights, v) do
+      Nx.dot(weights, [3], [0, 1], Nx.transpose(v, axes: [0, 2, 1, 3]), [2], [0, 1])
+    end
+
+    ## Helpers
+
+    defp rand(shape, type \\ :f32, seed \\ 0) do
+      key = Nx.Random.key(seed) |> Nx.backend_transfer(Nx.BinaryBackend)
+
+      {t, _} = Nx.Random.normal(key, shape: shape, type: :f32)
+      t |> Nx.as_type(type) |> Nx.backend_transfer(Emily.Backend)
+    end
+
+    defp run(fun, args, opts \\ []),
+      do: apply(Nx.Defn.jit(fun, [compiler: Emily.Compiler] ++ opts), args)
+
+    # The rewritten and the unrewritten runs, their largest difference (relative to the
+    # result's magnitude where over one), and what the listing says fired.
+    defp compare(fun, args) do
+      fused = run(fun, args)
+      plain = run(fun, args, fuse: false)
+      assert fused.shape == plain.shape and fused.type == plain.type
+      a = Nx.as_type(Nx.backend_transfer(fused, Nx.BinaryBackend), :f64)
+      b = Nx.as_type(Nx.backend_transfer(plain, Nx.BinaryBackend), :f64)
+      scale = max(1.0, b |> Nx.abs() |> Nx.reduce_max() |> Nx.to_number())
+      diff = Nx.subtract(a, b) |> Nx.abs() |> Nx.reduce_max() |> Nx.to_number()
+      {diff / scale, Emily.Compiler.fusions(fun, args)}
+    end
+
+    defp tol({:f, 32}), do: 1.0e-5
+    defp tol({:f, 16}), do: 4.0e-3
+    defp tol({:bf, 16}), do: 3.0e-2
+
+    defp rewrites(fused), do: Enum.map(fused, & &1.rewrite)
+
+    ## RMS norm
+
+    for type <- [:f32, :bf16, :f16] do
+      test "Bumblebee's RMS norm (upcast: :normalization) in #{type}" do
+        type = Nx.Type.normalize!(unquote(type))
+        x = rand({2, 5, 16}, type, 1)
+        w = rand({16}, type, 2)
+        {diff, fused} = compare(&bb_rms(&1, &2, eps: 1.0e-5), [x, w])
+        assert [%{rewrite: :rms_norm, eps: eps, weight: true, type: ^type}] = fused
+        assert_in_delta eps, 1.0e-5, 1.0e-12
+        assert diff <= tol(type), "#{diff}"
+      end
+    end
+
+    test "Bumblebee's RMS norm with a shift (Gemma's 1 + weight) and upcast: :all" do
+      x = rand({3, 4, 8}, :bf16, 3)
+      w = rand({8}, :bf16, 4)
+      {diff, fused} = compare(&bb_rms(&1, &2, shift: 1.0), [x, w])
+      assert rewrites(fused) == [:rms_norm]
+      assert diff <= tol({:bf, 16})
+
+      {diff, fused} = compare(&bb_rms_all/2, [x, w])
+      assert [%{rewrite: :rms_norm, type: {:f, 32}}] = fused
+      assert diff <= tol({:f, 32})
+    end
+
+    test "an RMS norm without weight" do
+      {diff, fused} = compare(&rms_plain/1, [rand({4, 32}, :f32, 5)])
+      assert [%{rewrite: :rms_norm, weight: false}] = fused
+      assert diff <= tol({:f, 32})
+    end
+
+    test "near misses of the RMS norm are not rewritten" do
+      x = rand({2, 3, 8}, :f32, 6)
+      w = rand({8}, :f32, 7)
+
+      for fun <- [&rms_eps_outside/2, &rms_other_axis/2, &rms_other_divisor/2] do
+        assert Emily.Compiler.fusions(fun, [x, w]) == []
+      end
+
+      # The f32 normalization alone is an RMS norm; the cast and the weight stay outside.
+      assert [%{rewrite: :rms_norm, weight: false, type: {:f, 32}}] =
+               Emily.Compiler.fusions(&rms_lossy/2, [x, Nx.as_type(w, :bf16)])
+
+      {diff, _} = compare(&rms_lossy/2, [x, Nx.as_type(w, :bf16)])
+      assert diff <= tol({:bf, 16})
+    end
+
+    ## Layer norm
+
+    for type <- [:f32, :bf16] do
+      test "Axon's layer norm in #{type}" do
+        type = Nx.Type.normalize!(unquote(type))
+        x = Nx.add(rand({2, 6, 24}, type, 8), 3.0) |> Nx.as_type(type)
+        g = rand({24}, type, 9)
+        b = rand({24}, type, 10)
+        {diff, fused} = compare(&axon_ln(&1, &2, &3, eps: 1.0e-12), [x, g, b])
+        assert [%{rewrite: :layer_norm, weight: true, bias: true, eps: 1.0e-12}] = fused
+        assert diff <= tol(type), "#{diff}"
+      end
+    end
+
+    test "layer norms in MLX's order, and without weight and bias" do
+      x = rand({3, 16}, :f32, 11)
+      {diff, fused} = compare(&ln_mlx_order/3, [x, rand({16}, :f32, 12), rand({16}, :f32, 13)])
+      assert rewrites(fused) == [:layer_norm]
+      assert diff <= tol({:f, 32})
+
+      {diff, fused} = compare(&ln_no_affine/1, [x])
+      assert [%{rewrite: :layer_norm, weight: false, bias: false}] = fused
+      assert diff <= tol({:f, 32})
+    end
+
+    test "near misses of the layer norm are not rewritten" do
+      x = rand({2, 3, 8}, :f32, 14)
+      g = rand({8}, :f32, 15)
+      b = rand({8}, :f32, 16)
+      # The unbiased variance (divided by H - 1), and epsilon outside the square root.
+      assert Emily.Compiler.fusions(&axon_ln(&1, &2, &3, ddof: 1), [x, g, b]) == []
+      assert Emily.Compiler.fusions(&ln_eps_outside/3, [x, g, b]) == []
+    end
+
+    ## Attention
+
+    defp attention_inputs(type, {b, lq, lk, heads, kv_heads, d}, seed) do
+      q = rand({b, lq, heads, d}, type, seed)
+      k = rand({b, lk, kv_heads, d}, type, seed + 1)
+      v = rand({b, lk, kv_heads, d}, type, seed + 2)
+      # Padding: the first batch entry's last key is masked out.
+      mask = Nx.iota({b, lk}) |> Nx.less(b * lk - 1) |> Nx.as_type(:u8)
+      {q, k, v, mask}
+    end
+
+    for type <- [:f32, :bf16, :f16] do
+      test "Bumblebee's causal attention with a padding mask in #{type}" do
+        type = Nx.Type.normalize!(unquote(type))
+        {q, k, v, mask} = attention_inputs(type, {2, 5, 5, 4, 4, 8}, 20)
+        {diff, fused} = compare(&bb_attention/5, [q, k, v, mask, 0])
+
+        assert [%{rewrite: :scaled_dot_product_attention, mask: :additive, heads: {4, 4}} = f] =
+                 fused
+
+        assert_in_delta f.scale, 1 / :math.sqrt(8), 1.0e-3
+        assert diff <= tol(type), "#{diff}"
+      end
+    end
+
+    test "grouped-query attention gets the kernel's grouped heads, not the repeated ones" do
+      {q, k, v, mask} = attention_inputs(:f32, {2, 6, 6, 8, 2, 4}, 30)
+      {diff, fused} = compare(&bb_attention(&1, &2, &3, &4, &5, groups: 4), [q, k, v, mask, 0])
+      assert [%{rewrite: :scaled_dot_product_attention, heads: {8, 2}}] = fused
+      assert diff <= tol({:f, 32})
+    end
+
+    test "a decode step: one query over a cache, the causal mask from a tensor offset" do
+      # Keys past offset + 1 are the cache's unwritten rows: the causal mask hides them.
+      {q, k, v, mask} = attention_inputs(:f32, {2, 1, 9, 4, 4, 8}, 40)
+      offset = Nx.tensor(3)
+      {diff, fused} = compare(&bb_attention/5, [q, k, v, mask, offset])
+      assert rewrites(fused) == [:scaled_dot_product_attention]
+      assert diff <= tol({:f, 32})
+    end
+
+    test "no mask, and a query that sees no key (uniform weights, as unfused)" do
+      {q, k, v, _mask} = attention_inputs(:f32, {2, 4, 4, 2, 2, 8}, 50)
+
+      {diff, fused} =
+        compare(&bb_attention(&1, &2, &3, &4, &5, causal: false, scale: 0.25), [
+          q,
+          k,
+          v,
+          Nx.broadcast(Nx.tensor(1, type: :u8), {2, 4}),
+          0
+        ])
+
+      assert [%{rewrite: :scaled_dot_product_attention, scale: 0.25}] = fused
+      assert diff <= tol({:f, 32})
+
+      # The second batch entry sees no key at all.
+      none =
+        Nx.concatenate([
+          Nx.broadcast(Nx.tensor(1, type: :u8), {1, 4}),
+          Nx.broadcast(Nx.tensor(0, type: :u8), {1, 4})
+        ])
+
+      {diff, _} = compare(&bb_attention/5, [q, k, v, none, 0])
+      assert diff <= tol({:f, 32})
+    end
+
+    test "near misses of the attention are not rewritten" do
+      {q, k, v, mask} = attention_inputs(:f32, {2, 4, 4, 2, 2, 8}, 60)
+      assert Emily.Compiler.fusions(&attention_select_mask/4, [q, k, v, mask]) == []
+      assert Emily.Compiler.fusions(&attention_other_axis/3, [q, k, v]) == []
+      assert Emily.Compiler.fusions(&attention_tensor_scale/4, [q, k, v, Nx.tensor(0.5)]) == []
+    end
+
+    ## The option, the listing and the telemetry
+
+    test "fuse: false turns the rewrites off; each lowering that rewrites reports them" do
+      x = rand({2, 16}, :f32, 70)
+      w = rand({16}, :f32, 71)
+      assert Emily.Compiler.fusions(&bb_rms/2, [x, w], fuse: false) == []
+
+      parent = self()
+      id = {__MODULE__, make_ref()}
+
+      :telemetry.attach(id, [:emily, :compiler, :fusion], &__MODULE__.forward/4, parent)
+
+      try do
+        run(&bb_rms/2, [x, w], cache: false)
+        assert_received {:fusion, %{count: 1}, %{rewrites: [%{rewrite: :rms_norm}]}}
+
+        run(&bb_rms/2, [x, w], cache: false, fuse: false)
+        refute_received {:fusion, _, _}
+      after
+        :telemetry.detach(id)
+      end
+    end
+
+    def forward(_event, measurements, meta, pid), do: send(pid, {:fusion, measurements, meta})
+  end
+else
+  defmodule Emily.Nx.FusionTest do
+    use ExUnit.Case, async: true
+    @moduletag :nx
+    require Emily.NxAbsent
+    Emily.NxAbsent.placeholders()
+  end
+end
