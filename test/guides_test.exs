@@ -13,6 +13,7 @@ defmodule Emily.GuidesTest do
   @root Path.expand("..", __DIR__)
   @guides Path.wildcard(Path.join(@root, "guides/*.md")) |> Enum.sort()
 
+  @tag :mix_project
   test "there are guides, and mix.exs's docs list each of them" do
     assert length(@guides) >= 8
     extras = Emily.MixProject.project()[:docs][:extras] |> Enum.map(&extra_path/1)
@@ -250,6 +251,7 @@ defmodule Emily.GuidesTest do
     end
 
     @tag timeout: 300_000
+    @tag :mix_project
     test "builds the HTML docs with every guide and no warning" do
       out = Path.join(System.tmp_dir!(), "emily_docs_#{System.unique_integer([:positive])}")
       config = Emily.MixProject.project()

@@ -10,6 +10,7 @@ defmodule Emily.NotebooksTest do
   @root Path.expand("..", __DIR__)
   @notebooks Path.wildcard(Path.join(@root, "notebooks/*.livemd")) |> Enum.sort()
 
+  @tag :mix_project
   test "the notebooks: each installs Emily first, and mix.exs's docs list each of them" do
     names = Enum.map(@notebooks, &Path.basename(&1, ".livemd"))
 

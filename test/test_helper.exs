@@ -13,6 +13,10 @@ gpu? = :gpu in Emily.devices()
 exclude = if nx?, do: [], else: [:nx]
 exclude = if Code.ensure_loaded?(Axon), do: exclude, else: [:training | exclude]
 exclude = if gpu?, do: exclude, else: [:gpu | exclude]
+# Suites that read Emily's Mix project (mix.exs, mix/, scripts/release) run from a
+# checkout under Mix, not from a bundle (scripts/bundle), which has none.
+mix_project? = Code.ensure_loaded?(Emily.MixProject)
+exclude = if mix_project?, do: exclude, else: [:install, :mix_project | exclude]
 exclude = if Emily.Debug.detect_nan_inf?(), do: [:non_finite | exclude], else: exclude
 # The conformance suites (test/conformance/README.md) are also opt-in where Bumblebee is
 # loaded, as they load and compile a dozen models: `mix test --only conformance`; the

@@ -45,6 +45,9 @@ defmodule Emily.SkipReport do
   defp reason(:non_finite),
     do: " (they compute NaN or infinities, which EMILY_DEBUG=nan_inf rejects by design)"
 
+  defp reason(tag) when tag in [:install, :mix_project],
+    do: " (they read Emily's Mix project, which a bundle does not carry: run them with mix test)"
+
   defp reason(:full),
     do: " (full-size checkpoints, opt-in by tag: see test/conformance/README.md)"
 
