@@ -907,8 +907,11 @@ if Code.ensure_loaded?(Nx) do
     # `native_block?/3` accepts the arguments (types MLX computes with, supported
     # options); anything else runs the struct's default implementation, `fun`.
 
-    @fast_blocks Emily.Fast.blocks()
-    @quant_blocks Emily.Quantization.blocks()
+    @kernel_blocks Map.new(
+                     for mod <- [Emily.Fast, Emily.Quantization],
+                         struct <- mod.blocks(),
+                         do: {struct, mod}
+                   )
 
     @impl true
     def block(struct, out, args, fun) do
@@ -969,17 +972,13 @@ if Code.ensure_loaded?(Nx) do
 
     defp native_block?(%Nx.Block.LinAlg.Solve{}, _out, [a, b]), do: real?(a) and real?(b)
 
-    # Emily.Fast's fused kernels: Emily.Fast.native_call/3 names the Native op and the
-    # casts of its arguments (nil where the block runs its default).
-    defp native_block?(%struct{} = block, out, args) when struct in @fast_blocks,
+    # Emily.Fast's fused kernels and Emily.Quantization's dequantize and quantized
+    # matmul: their module's native_call/3 names the Native op and the casts of its
+    # arguments (nil where the block runs its default).
+    defp native_block?(%struct{} = block, out, args) when is_map_key(@kernel_blocks, struct),
       do:
         native_type?(out) and native_inputs?(args) and
-          Emily.Fast.native_call(block, out, args) != nil
-
-    # Emily.Quantization's blocks: MLX's dequantize and quantized_matmul, as
-    # Emily.Quantization.native_call/3 names them (nil where the block runs its default).
-    defp native_block?(%struct{} = block, out, args) when struct in @quant_blocks,
-      do: native_inputs?(args) and Emily.Quantization.native_call(block, out, args) != nil
+          @kernel_blocks[struct].native_call(block, out, args) != nil
 
     defp native_block?(_struct, _out, _args), do: false
 
@@ -1108,8 +1107,11 @@ if Code.ensure_loaded?(Nx) do
       linalg_out(d, out, s)
     end
 
-    defp n_block(%struct{} = block, %T{type: type} = out, args) when struct in @fast_blocks do
-      {op, spec} = Emily.Fast.native_call(block, out, args)
+    # Emily.Fast's and Emily.Quantization's blocks: the MLX op their module's
+    # native_call/3 names, with the casts of its arguments.
+    defp n_block(%struct{} = block, %T{type: type} = out, args)
+         when is_map_key(@kernel_blocks, struct) do
+      {op, spec} = @kernel_blocks[struct].native_call(block, out, args)
       s = stream(args, type)
       inputs = List.to_tuple(args)
 
@@ -1122,20 +1124,6 @@ if Code.ensure_loaded?(Nx) do
       x = apply(N, op, [s | call_args])
       if Emily.Debug.checks_finite?(op), do: Emily.Debug.assert_finite!(s, x, op)
       wrap(x, out, s)
-    end
-
-    defp n_block(%struct{} = block, %T{type: type} = out, args) when struct in @quant_blocks do
-      {op, spec} = Emily.Quantization.native_call(block, out, args)
-      s = stream(args, type)
-      inputs = List.to_tuple(args)
-
-      call_args =
-        Enum.map(spec, fn
-          {:arg, i, arg_type} -> ref(elem(inputs, i), s, arg_type)
-          other -> other
-        end)
-
-      wrap(apply(N, op, [s | call_args]), out, s)
     end
 
     defp fft_block(op, %T{type: type} = out, t, args, eps) do

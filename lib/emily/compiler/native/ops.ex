@@ -44,9 +44,11 @@ if Code.ensure_loaded?(Nx) do
     @control [:block, :while, :cond, :elem, :runtime_call, :triangular_solve, :attach_token] ++
                Emily.Compiler.Native.Hooks.ops()
 
-    @fast_blocks Emily.Fast.blocks()
-    @quant_blocks Emily.Quantization.blocks()
-    @distributed_blocks Emily.Distributed.blocks()
+    @kernel_blocks Map.new(
+                     for mod <- [Emily.Fast, Emily.Quantization, Emily.Distributed],
+                         struct <- mod.blocks(),
+                         do: {struct, mod}
+                   )
 
     # The linear algebra blocks lowered on the CPU: Native op and its arguments after
     # the tensors.
@@ -319,11 +321,21 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
-    # Emily.Fast's blocks lower to their fused kernel (Emily.Fast.native_call/3 names it
-    # and the casts of its arguments), or, where it names none, to their default.
+    # A collective whose backend runs on another device than the program's (a ring
+    # collective in a GPU program) runs on the host, where Emily.Distributed picks a
+    # stream of its backend's device: MLX aborts on a ring collective on a GPU stream.
+    @collectives Emily.Distributed.blocks()
+    def lower_op(:block, [%struct{group: %{backend: backend}} | _], t, st)
+        when struct in @collectives and backend != nil and
+               backend == :nccl != (st.device == :gpu),
+        do: Control.host_block(t, st)
+
+    # The blocks of Emily.Fast, Emily.Quantization and Emily.Distributed lower to the MLX
+    # op their module's native_call/3 names, with the casts of its arguments, or, where
+    # it names none, to their default.
     def lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
-        when struct in @fast_blocks do
-      case Emily.Fast.native_call(block, t, in_args) do
+        when is_map_key(@kernel_blocks, struct) do
+      case @kernel_blocks[struct].native_call(block, t, in_args) do
         nil ->
           Control.lower_op(:block, t.data.args, t, st)
 
@@ -337,43 +349,7 @@ if Code.ensure_loaded?(Nx) do
             end)
 
           {slot, st} = emit(st, op, args)
-          {slot, checked(st, op, slot, t)}
-      end
-    end
-
-    # Emily.Distributed's collectives lower to their Native op (Emily.Distributed.native_call/3).
-    def lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
-        when struct in @distributed_blocks do
-      {op, spec} = Emily.Distributed.native_call(block, t, in_args)
-      inputs = List.to_tuple(in_args)
-
-      {args, st} =
-        Enum.map_reduce(spec, st, fn
-          {:arg, i, type}, st -> operand(elem(inputs, i), type, st)
-          other, st -> {other, st}
-        end)
-
-      emit(st, op, args)
-    end
-
-    # Emily.Quantization's blocks lower to MLX's dequantize or quantized_matmul
-    # (Emily.Quantization.native_call/3), or, where it names none, to their default.
-    def lower_op(:block, [%struct{} = block, in_args, _default, _fun], t, st)
-        when struct in @quant_blocks do
-      case Emily.Quantization.native_call(block, t, in_args) do
-        nil ->
-          Control.lower_op(:block, t.data.args, t, st)
-
-        {op, spec} ->
-          inputs = List.to_tuple(in_args)
-
-          {args, st} =
-            Enum.map_reduce(spec, st, fn
-              {:arg, i, type}, st -> operand(elem(inputs, i), type, st)
-              other, st -> {other, st}
-            end)
-
-          emit(st, op, args)
+          {slot, if(match?(%T{}, t), do: checked(st, op, slot, t), else: st)}
       end
     end
 
