@@ -40,11 +40,20 @@ defmodule Emily.Distributed do
   Every rank must run the same collectives in the same order, with the same shapes and
   types: a collective is matched by position, not by name.
 
-  ## Threads
+  ## Streams and threads
 
-  A collective runs when its graph is evaluated, on the evaluating stream's MLX thread,
-  like any op: a group may be used from any process and stream, and collectives of one
-  group run one at a time, in the order their graphs are evaluated.
+  A collective runs on a stream of its backend's device: the CPU for `:ring` and `:mpi`,
+  a GPU for `:nccl`. Called from a stream of that device (the calling process's
+  current stream, see `Emily.Stream`), it runs there; from any other (the default GPU
+  stream of a CUDA machine, for a ring collective), on that device's default stream,
+  its input evaluated on its own stream first and its result usable on any stream,
+  as Emily's CPU-only linear algebra runs. `stream/2` says which stream that is.
+  `Emily.Native`'s collectives take the stream as given and refuse one of the wrong
+  device with `Emily.Error`.
+
+  A collective runs when its graph is evaluated, on that stream's MLX thread, like any
+  op: a group may be used from any process and stream, and collectives of one group run
+  one at a time, in the order their graphs are evaluated.
 
   ## Failure
 
@@ -247,6 +256,31 @@ defmodule Emily.Distributed do
   defp address?(_), do: false
 
   @doc """
+  The device `group`'s collectives run on: `:cpu` for `:ring` and `:mpi`, `:gpu` for
+  `:nccl`; `nil` for a group of one, whose collectives run on any device.
+  """
+  @spec device(Group.t()) :: :cpu | :gpu | nil
+  def device(%Group{backend: nil}), do: nil
+  def device(%Group{backend: :nccl}), do: :gpu
+  def device(%Group{backend: backend}) when backend in [:ring, :mpi], do: :cpu
+
+  @doc """
+  The stream a collective of `group` runs on when called from `stream` (default: the
+  calling process's current stream): `stream` itself where it is on the group's
+  `device/1` (or the group is one of one), else that device's default stream.
+  """
+  @spec stream(Group.t(), Emily.Stream.t()) :: Emily.Stream.t()
+  def stream(%Group{} = group, stream \\ Emily.Stream.current()) do
+    case device(group) do
+      nil ->
+        stream
+
+      device ->
+        if Emily.Stream.device(stream) == device, do: stream, else: Emily.Stream.default(device)
+    end
+  end
+
+  @doc """
   Leaves `group`: its connections close once no pending collective holds them. A group
   of one has nothing to release. Returns `:ok`.
   """
@@ -426,8 +460,12 @@ defmodule Emily.Distributed do
 
     defp traced(_block, x), do: x
 
+    # On the group's device (stream/2); the result stays with the caller's stream (as
+    # Emily.Backend picks one: the selected stream, else the input's), where later ops
+    # on it run.
     defp eager(block, x) do
-      s = Emily.Stream.current()
+      caller = Emily.Stream.selected() || x.data.stream
+      s = stream(block.group, caller)
       out = out_template(block, x)
       {op, spec} = native_call(block, out, [x])
 
@@ -438,7 +476,7 @@ defmodule Emily.Distributed do
         end)
 
       y = apply(Emily.Native, op, [s | args])
-      %{out | data: struct!(Emily.Backend, ref: y, stream: s)}
+      %{out | data: struct!(Emily.Backend, ref: y, stream: caller)}
     end
 
     defp out_template(%{__struct__: __MODULE__.AllGather, group: g}, x) do

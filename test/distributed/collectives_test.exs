@@ -146,6 +146,90 @@ defmodule Emily.Distributed.CollectivesTest do
     end
   end
 
+  test "a collective's stream: the caller's where it is on the backend's device, else that device's default" do
+    own = Emily.Stream.new(:cpu)
+    ring = %Emily.Distributed.Group{id: 1, rank: 0, size: 2, backend: :ring}
+    one = %Emily.Distributed.Group{id: 0, rank: 0, size: 1}
+    assert Emily.Distributed.device(ring) == :cpu
+    assert Emily.Distributed.device(%{ring | backend: :nccl}) == :gpu
+    assert Emily.Distributed.device(one) == nil
+    assert Emily.Distributed.stream(ring, own) == own
+    assert Emily.Distributed.stream(one, own) == own
+    assert Emily.Stream.with_stream(own, fn -> Emily.Distributed.stream(ring) end) == own
+
+    if :gpu in Emily.devices() do
+      gpu = Emily.Stream.default(:gpu)
+      assert Emily.Distributed.stream(ring, gpu) == Emily.Stream.default(:cpu)
+      assert Emily.Distributed.stream(%{ring | backend: :nccl}, own) == gpu
+      assert Emily.Distributed.stream(one, gpu) == gpu
+    end
+
+    Emily.Stream.release(own)
+  end
+
+  test "2 ranks: from another current stream, a collective hands its result back to it" do
+    ranks = peers(2)
+    assert join_all(ranks, hosts(2)) == [{:ok, 0}, {:ok, 1}]
+
+    # The current stream is a CPU stream of the rank's own: the collective runs on it.
+    got =
+      on_all(ranks, fn peer, r ->
+        call(peer, :collective_from, [:own, :all_sum, [r + 1.0, 2.0], :group])
+      end)
+
+    assert [{:ok, {[3.0, 4.0], s0, s0}}, {:ok, {[3.0, 4.0], s1, s1}}] = got
+
+    # On another worker than its input's and its consumer's (the path a GPU machine's
+    # default stream takes): the lazy input is evaluated on its own stream, the result
+    # is read by an op of the current stream.
+    got =
+      on_all(ranks, fn peer, r ->
+        call(peer, :collective_from, [:own, :all_gather, [r * 1.0, 5.0], :cpu])
+      end)
+
+    for result <- got do
+      assert {:ok, {[+0.0, 5.0, 1.0, 5.0], on, current}} = result
+      assert on != current
+    end
+
+    # The group goes on from the default stream.
+    assert on_all(ranks, fn peer, r -> call(peer, :collective, [:all_max, [r * 1.0]]) end) ==
+             [{:ok, [1.0]}, {:ok, [1.0]}]
+  end
+
+  @tag :gpu
+  test "2 ranks from the GPU stream: a ring collective runs on the CPU; on a GPU stream Emily.Native refuses it" do
+    ranks = peers(2)
+    assert join_all(ranks, hosts(2)) == [{:ok, 0}, {:ok, 1}]
+
+    got =
+      on_all(ranks, fn peer, r ->
+        call(peer, :collective_from, [:gpu, :all_sum, [r + 1.0], :group])
+      end)
+
+    for result <- got do
+      assert {:ok, {[3.0], on, current}} = result
+      assert on =~ "cpu" and current =~ "gpu"
+    end
+
+    # Refused as the graph is built, on every rank: nothing is queued, the VM and the
+    # group go on.
+    refused =
+      on_all(ranks, fn peer, _ ->
+        call(peer, :collective_from, [:gpu, :all_sum, [1.0], :current])
+      end)
+
+    for result <- refused do
+      assert {:error, %Emily.Error{message: msg}} = result
+      assert msg =~ "the ring backend runs on the CPU stream only"
+    end
+
+    assert Enum.all?(ranks, &call(&1, :stream_works?, []))
+
+    assert on_all(ranks, fn peer, r -> call(peer, :collective, [:all_sum, [r * 1.0]]) end) ==
+             [{:ok, [1.0]}, {:ok, [1.0]}]
+  end
+
   describe "failure" do
     test "a rank that never joins: init raises Emily.Error within the join timeout" do
       started = System.monotonic_time(:millisecond)

@@ -57,6 +57,58 @@ if Code.ensure_loaded?(Nx) do
       assert {%Nx.Tensor{shape: {2}}, %Nx.Tensor{shape: {4}}} = expr
     end
 
+    test "2 ranks: from another current stream (a GPU machine's default stream where there is one), eagerly and in defn" do
+      :rand.seed(:exsss, {2, 4, 6})
+      rows = for _ <- 1..4, do: for(_ <- 1..3, do: :rand.uniform() - 0.5)
+      targets = for [a, b, c] <- rows, do: [a + c, b - 0.1]
+      {:ok, whole} = NxRemote.dp_train(rows, targets, 4, 3, 0.5, D.init(rank: 0, size: 1))
+
+      ranks = for _ <- 1..2, do: Emily.Peer.start!(:nx_rank, connection: :standard_io)
+      hosts = hosts(2)
+
+      joined =
+        ranks
+        |> Enum.with_index()
+        |> Enum.map(fn {peer, r} ->
+          Task.async(fn ->
+            Emily.Peer.call(peer, Emily.Peer.Rank, :join, [[rank: r, hosts: hosts]])
+          end)
+        end)
+        |> Task.await_many(90_000)
+
+      assert joined == [{:ok, 0}, {:ok, 1}]
+      streams = if :gpu in Emily.devices(), do: [:own, :gpu], else: [:own]
+
+      jits = [
+        [compiler: Emily.Compiler],
+        [compiler: Emily.Compiler, native: false],
+        [compiler: Nx.Defn.Evaluator]
+      ]
+
+      for stream <- streams, jit <- jits do
+        results =
+          ranks
+          |> Enum.with_index()
+          |> Enum.map(fn {peer, r} ->
+            args = [Enum.slice(rows, r * 2, 2), Enum.slice(targets, r * 2, 2), 4, 3, 0.5, :group]
+            opts = [stream: stream, jit: jit]
+
+            Task.async(fn ->
+              Emily.Peer.call(peer, NxRemote, :dp_train, args ++ [opts], 120_000)
+            end)
+          end)
+          |> Task.await_many(120_000)
+
+        for result <- results do
+          assert {:ok, params} = result, "#{inspect(stream)} #{inspect(jit)}: #{inspect(result)}"
+
+          for {got, want} <- Enum.zip(params, whole), {g, w} <- Enum.zip(got, want) do
+            assert abs(g - w) <= 1.0e-5 + 1.0e-5 * abs(w), "#{inspect(jit)}: #{g} vs #{w}"
+          end
+        end
+      end
+    end
+
     for n <- [2, 4] do
       test "#{n} ranks: a data-parallel defn step gives the whole batch's parameters" do
         n = unquote(n)

@@ -209,7 +209,35 @@ if Code.ensure_loaded?(Nx) do
     of `n` rows), the gradients all-summed over `group` (`:group`: the one joined last
     with Emily.Peer.Rank). Returns the parameters' values.
     """
-    def dp_train(x, y, n, steps, lr, group) do
+    def dp_train(x, y, n, steps, lr, group), do: dp_train(x, y, n, steps, lr, group, [])
+
+    @doc """
+    `dp_train/6` with `opts`: `:stream` (`:own`, a new CPU stream of this rank's, or
+    `:gpu`, the default GPU stream: the current stream while it runs; default: none set)
+    and `:jit` (Nx.Defn.jit's options; default `compiler: Emily.Compiler`).
+    """
+    def dp_train(x, y, n, steps, lr, group, opts) do
+      case opts[:stream] do
+        nil ->
+          train(x, y, n, steps, lr, group, opts)
+
+        :gpu ->
+          Emily.Stream.with_stream(Emily.Stream.default(:gpu), fn ->
+            train(x, y, n, steps, lr, group, opts)
+          end)
+
+        :own ->
+          own = Emily.Stream.new(:cpu)
+
+          try do
+            Emily.Stream.with_stream(own, fn -> train(x, y, n, steps, lr, group, opts) end)
+          after
+            Emily.Stream.release(own)
+          end
+      end
+    end
+
+    defp train(x, y, n, steps, lr, group, opts) do
       group = if group == :group, do: Emily.Peer.Rank.group(), else: group
       x = Nx.tensor(x, type: :f32, backend: Emily.Backend)
       y = Nx.tensor(y, type: :f32, backend: Emily.Backend)
@@ -220,7 +248,8 @@ if Code.ensure_loaded?(Nx) do
          Nx.iota({5, 2}, type: :f32) |> Nx.divide(10) |> Nx.subtract(0.3),
          Nx.tensor([0.0, 0.1], type: :f32)}
 
-      step = Nx.Defn.jit(&dp_step(&1, &2, &3, group: group, lr: lr / n), compiler: Emily.Compiler)
+      jit = opts[:jit] || [compiler: Emily.Compiler]
+      step = Nx.Defn.jit(&dp_step(&1, &2, &3, group: group, lr: lr / n), jit)
       params = Enum.reduce(1..steps//1, params, fn _, p -> step.(p, x, y) end)
       {:ok, params |> Tuple.to_list() |> Enum.map(&Nx.to_flat_list/1)}
     rescue

@@ -20,16 +20,51 @@ defmodule Emily.Peer.Rank do
 
   @doc "Runs `op` (:all_sum, :all_max, :all_min, :all_gather) on `list`: values or the error."
   def collective(op, list) do
-    s = Emily.Stream.current()
     x = Emily.from_list(list, {:f, 32})
-    {:ok, Emily.to_list(apply(N, op, [s, x, group().id]))}
+    {:ok, Emily.to_list(apply(N, op, [Emily.Distributed.stream(group()), x, group().id]))}
+  rescue
+    e -> {:error, e}
+  end
+
+  @doc """
+  `collective/2` from another current stream than the default one, as a GPU machine
+  runs it from its default GPU stream: `current` is `:own` (a new CPU stream of this
+  rank's, standing in for it on any machine) or `:gpu` (the default GPU stream). The
+  input is a lazy node of the current stream; the collective runs on `on`: `:group`
+  (the stream `Emily.Distributed.stream/2` picks), `:cpu` (the default CPU stream: a
+  worker other than the input's) or `:current` (the current stream, as given); its
+  result is used by a lazy op on the current stream before it is read. Returns
+  `{:ok, {values, the collective's stream name, the current stream's name}}`.
+  """
+  def collective_from(current, op, list, on) do
+    own = if current == :own, do: Emily.Stream.new(:cpu), else: Emily.Stream.default(:gpu)
+
+    try do
+      Emily.Stream.with_stream(own, fn ->
+        s = Emily.Stream.current()
+        lazy = N.multiply(s, Emily.from_list(list, {:f, 32}), N.full(s, {}, 1.0, {:f, 32}))
+
+        cs =
+          case on do
+            :group -> Emily.Distributed.stream(group())
+            :cpu -> Emily.Stream.default(:cpu)
+            :current -> s
+          end
+
+        y = apply(N, op, [cs, lazy, group().id])
+        out = N.add(s, y, N.full(s, {}, 0.0, {:f, 32}))
+        {:ok, {Emily.to_list(out), Emily.Stream.name(cs), Emily.Stream.name(s)}}
+      end)
+    after
+      if current == :own, do: Emily.Stream.release(own)
+    end
   rescue
     e -> {:error, e}
   end
 
   @doc "Sends `list` to `dst`, then receives `n` floats from `src`."
   def exchange(list, dst, src, n) do
-    s = Emily.Stream.current()
+    s = Emily.Distributed.stream(group())
     sent = N.send(s, Emily.from_list(list, {:f, 32}), dst, group().id)
     :ok = Emily.eval(sent)
     {:ok, Emily.to_list(N.recv(s, {n}, {:f, 32}, src, group().id))}
@@ -71,7 +106,12 @@ defmodule Emily.Peer.Rank do
       Enum.reduce(1..steps, w, fn _, w ->
         residual = N.subtract(s, N.matmul(s, x, w), y)
         grad = N.matmul(s, N.transpose(s, x, [1, 0]), residual)
-        grad = if group_id, do: N.all_sum(s, grad, group_id), else: grad
+
+        grad =
+          if group_id,
+            do: N.all_sum(Emily.Distributed.stream(group(), s), grad, group_id),
+            else: grad
+
         w = N.subtract(s, w, N.multiply(s, grad, scale))
         # One step per evaluation, as a training loop runs.
         :ok = Emily.eval(w)

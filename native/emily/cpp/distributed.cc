@@ -124,8 +124,26 @@ class EnvScope {
 
 class Timed : public md::detail::GroupImpl, public std::enable_shared_from_this<Timed> {
  public:
-  Timed(std::shared_ptr<md::detail::GroupImpl> inner, std::vector<int> fds, int64_t timeout_ms)
-      : inner_(std::move(inner)), fds_(std::move(fds)), timeout_ms_(timeout_ms) {}
+  Timed(std::shared_ptr<md::detail::GroupImpl> inner, std::string backend, std::vector<int> fds,
+        int64_t timeout_ms)
+      : inner_(std::move(inner)), backend_(std::move(backend)), fds_(std::move(fds)), timeout_ms_(timeout_ms) {}
+
+  // Refuses, while the graph is built, a collective on a stream its backend cannot run
+  // on. Evaluated there it would throw inside MLX's CUDA graph capture (ring's CPU
+  // kernels on a GPU stream), which aborts the process; MLX's own communication_stream
+  // keeps whatever stream it is given.
+  void check_stream(const mx::Stream& s, const char* op) const {
+    bool nccl = backend_ == "nccl";
+    auto want = nccl ? mx::Device::gpu : mx::Device::cpu;
+    if (s.device != want) {
+      throw std::invalid_argument(std::string("[distributed] ") + op + ": the " + backend_ + " backend runs on " +
+                                  (nccl ? "a GPU" : "the CPU") + " stream only, got a " +
+                                  (s.device == mx::Device::cpu ? "CPU" : "GPU") + " stream");
+    }
+    if (nccl && (std::string(op) == "send" || std::string(op) == "recv")) {
+      throw std::invalid_argument(std::string("[distributed] ") + op + ": the nccl backend has no " + op);
+    }
+  }
 
   mx::Stream communication_stream(mx::StreamOrDevice s) override { return inner_->communication_stream(s); }
   int rank() override { return inner_->rank(); }
@@ -169,8 +187,8 @@ class Timed : public md::detail::GroupImpl, public std::enable_shared_from_this<
   template <class F>
   void run(mx::Stream s, const char* op, F&& dispatch) {
     if (s.device != mx::Device::cpu) {
-      std::lock_guard lk(mu_);
-      check_open_locked(op);
+      // NCCL only (check_stream): nothing may throw here, inside a CUDA graph capture,
+      // and an NCCL group is never closed (it has no deadline of Emily's).
       dispatch();
       return;
     }
@@ -235,6 +253,7 @@ class Timed : public md::detail::GroupImpl, public std::enable_shared_from_this<
   }
 
   std::shared_ptr<md::detail::GroupImpl> inner_;
+  std::string backend_;
   std::vector<int> fds_;
   int64_t timeout_ms_;
   std::atomic<int64_t> started_{0};
@@ -261,15 +280,21 @@ void watchdog() {
   }
 }
 
-// The group `id` stands for; nullopt for the world of one (0).
-std::optional<md::Group> lookup(int64_t id) {
+// The group `id` stands for, once `op` on stream `s` is one its backend runs; nullopt
+// for the world of one (0), whose collectives are copies on any stream.
+std::optional<md::Group> lookup(int64_t id, const mx::Stream& s, const char* op) {
   if (id == 0) return std::nullopt;
-  std::lock_guard lk(registry_mu);
-  auto it = registry.find(id);
-  if (it == registry.end()) {
-    throw std::invalid_argument("[distributed] unknown group " + std::to_string(id) + " (released?)");
+  std::shared_ptr<Timed> g;
+  {
+    std::lock_guard lk(registry_mu);
+    auto it = registry.find(id);
+    if (it == registry.end()) {
+      throw std::invalid_argument("[distributed] unknown group " + std::to_string(id) + " (released?)");
+    }
+    g = it->second;
   }
-  return md::Group(it->second);
+  g->check_stream(s, op);
+  return md::Group(g);
 }
 
 }  // namespace
@@ -344,7 +369,8 @@ int64_t distributed_init(rust::Str backend_s, int32_t rank, int32_t size, rust::
         if ((s.local == own_port && s.peer > 0) || s.peer == right_port) fds.push_back(s.fd);
       }
     }
-    auto timed = std::make_shared<Timed>(g->raw_group(), std::move(fds), backend == "ring" ? timeout_ms : 0);
+    auto timed =
+        std::make_shared<Timed>(g->raw_group(), backend, std::move(fds), backend == "ring" ? timeout_ms : 0);
     static std::once_flag started;
     std::call_once(started, [] { std::thread(watchdog).detach(); });
     std::lock_guard rl(registry_mu);
@@ -367,34 +393,34 @@ void distributed_release(int64_t id) {
 }
 
 mx::array dist_all_sum(const mx::array& x, int64_t group, const mx::Stream& s) {
-  auto g = lookup(group);
+  auto g = lookup(group, s, "all_sum");
   return g ? md::all_sum(x, g, s) : mx::copy(x, s);
 }
 
 mx::array dist_all_max(const mx::array& x, int64_t group, const mx::Stream& s) {
-  auto g = lookup(group);
+  auto g = lookup(group, s, "all_max");
   return g ? md::all_max(x, g, s) : mx::copy(x, s);
 }
 
 mx::array dist_all_min(const mx::array& x, int64_t group, const mx::Stream& s) {
-  auto g = lookup(group);
+  auto g = lookup(group, s, "all_min");
   return g ? md::all_min(x, g, s) : mx::copy(x, s);
 }
 
 mx::array dist_all_gather(const mx::array& x, int64_t group, const mx::Stream& s) {
-  auto g = lookup(group);
+  auto g = lookup(group, s, "all_gather");
   if (!g) return mx::copy(x.ndim() == 0 ? mx::reshape(x, {1}, s) : x, s);
   return md::all_gather(x, g, s);
 }
 
 mx::array dist_send(const mx::array& x, int dst, int64_t group, const mx::Stream& s) {
-  auto g = lookup(group);
+  auto g = lookup(group, s, "send");
   if (!g) throw std::invalid_argument("[distributed] send: a group of one has no other rank");
   return md::send(x, dst, g, s);
 }
 
 mx::array dist_recv(const mx::Shape& shape, mx::Dtype dtype, int src, int64_t group, const mx::Stream& s) {
-  auto g = lookup(group);
+  auto g = lookup(group, s, "recv");
   if (!g) throw std::invalid_argument("[distributed] recv: a group of one has no other rank");
   return md::recv(shape, dtype, src, g, s);
 }

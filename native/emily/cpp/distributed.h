@@ -24,7 +24,8 @@ void distributed_release(int64_t id);
 // Whether `backend` is compiled into this libmlx ("ring", "mpi", "nccl", "jaccl").
 bool distributed_available(rust::Str backend);
 
-// The op table's glue (optable/distributed.ops).
+// The op table's glue (optable/distributed.ops). Each throws std::invalid_argument for a
+// stream whose device the group's backend does not run on (ring, mpi: CPU; nccl: GPU).
 mlx::core::array dist_all_sum(const mlx::core::array& x, int64_t group, const mlx::core::Stream& s);
 mlx::core::array dist_all_max(const mlx::core::array& x, int64_t group, const mlx::core::Stream& s);
 mlx::core::array dist_all_min(const mlx::core::array& x, int64_t group, const mlx::core::Stream& s);

@@ -92,6 +92,11 @@ if Code.ensure_loaded?(Nx) do
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
+    @doc false
+    # A block Emily.Compiler.Native.Ops sends to the host (Emily.Compiler.Native.Plan
+    # runs it through Emily.Backend, as the linear algebra above).
+    def host_block(%T{data: %Expr{op: :block}} = t, st), do: only(t, st)
+
     defp only(t, st) do
       {[slot], st} = slots(t, st)
       {slot, st}
