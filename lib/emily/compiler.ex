@@ -150,9 +150,11 @@ if Code.ensure_loaded?(Nx) do
         program; default `true`): the graph is traced on the first call of a
         `Nx.Defn.jit` function for given input shapes, types and options, and later
         calls run it again. Lowered programs are shared by all processes; traced
-        graphs (the evaluator path's) are kept by the process that traced them. What
-        is kept, and the tensors the function captures, stay alive while kept (at most
-        512 entries each: a cache is emptied when full); `false` traces on every call.
+        graphs (the evaluator path's) are kept by the process that traced them, so a
+        function of `Nx.Defn.compile` run in another process (as `Nx.Serving` runs
+        each batch in a task) traces its graph there, once per process. What is kept,
+        and the tensors the function captures, stay alive while kept (at most 512
+        entries each: a cache is emptied when full); `false` traces on every call.
 
     Other options are accepted and passed through (libraries such as Axon pass their
     own).
@@ -438,12 +440,23 @@ if Code.ensure_loaded?(Nx) do
         end)
       end
 
+      # The function returned goes wherever its caller sends it (Nx.Serving runs each batch
+      # in a task), and copying flattens a traced graph (see locally_cached/2); Nx 0.13's
+      # evaluator holds a token hook's watched expression with every node's arguments, the
+      # whole model for Bumblebee's generation. So the function holds what traces the
+      # graph, not the graph: it is traced here, and once in each other process it runs in.
       compiled =
-        if cache?,
-          do: locally_cached({fun_key, args_keys(vars), opts_key}, compile),
-          else: compile.()
+        if cache? do
+          local_key = {fun_key, args_keys(vars), opts_key}
+          locally_cached(local_key, compile)
+          fn -> locally_cached(local_key, compile) end
+        else
+          compile
+        end
 
       fn args_list ->
+        compiled = compiled.()
+
         in_context(stream, backend, fn ->
           Enum.flat_map(args_list, fn args ->
             compiled.([Enum.map(args, &to_emily(&1, backend))])

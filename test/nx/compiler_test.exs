@@ -82,6 +82,23 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    # A hook watching a doubling chain (a DAG of 16 nodes, 2^16 paths), as Bumblebee's
+    # generation watches each token, which the whole model computes: with a token where
+    # this Nx has them (0.13's evaluator keeps a token hook's watched graph whole).
+    if NxHooks.tokens?() do
+      defn watched_chain(x) do
+        token = NxHooks.create_token()
+        {token, _} = NxHooks.hook_token(token, chain(x), :watch)
+        NxHooks.attach_token(token, x + 1)
+      end
+    else
+      defn(watched_chain(x),
+        do: x |> chain() |> NxHooks.named(:watch) |> Nx.multiply(0) |> Nx.add(x + 1)
+      )
+    end
+
+    deftransformp(chain(x), do: Enum.reduce(1..16, x, fn _, acc -> Nx.add(acc, acc) end))
+
     defn scan_stats(x) do
       {Nx.cumulative_sum(x, axis: 1), Nx.argmax(x, axis: 1), Nx.sort(x, axis: 1)}
     end
@@ -490,6 +507,33 @@ if Code.ensure_loaded?(Nx) do
         {out, fallbacks} = with_fallbacks(fn -> ejit(&odd_fold/1).(Nx.tensor([1, 2])) end)
         assert Nx.to_number(out) == 4
         assert [%{reason: {:reduce, :function}}] = fallbacks
+      end
+    end
+
+    describe "compiled functions sent to other processes" do
+      # Nx.Serving runs each batch in a task, so the compiled function is copied there, and
+      # a copy flattens a DAG: a function that held the traced chain would copy as its
+      # 2^16 paths (millions of words; Bumblebee's generation, tens of gigabytes).
+      test "hold no traced graph, and run (and call their hooks) in the other process" do
+        x = Nx.tensor([1.0, 2.0])
+        pid = self()
+        hooks = %{watch: &send(pid, {:watch, Nx.to_flat_list(&1)})}
+
+        for opts <- [[], [native: false]] do
+          compiled =
+            Nx.Defn.compile(&watched_chain/1, [Nx.template({2}, :f32)],
+              compiler: Emily.Compiler,
+              hooks: hooks,
+              native: Keyword.get(opts, :native, true)
+            )
+
+          words = :erts_debug.flat_size(compiled)
+          assert words < 20_000, "#{inspect(opts)}: #{words} words"
+
+          out = Task.async(fn -> Nx.to_flat_list(compiled.(x)) end) |> Task.await()
+          assert out == [2.0, 3.0]
+          assert_receive {:watch, [65536.0, 131_072.0]}
+        end
       end
     end
   end
