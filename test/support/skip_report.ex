@@ -10,7 +10,18 @@ defmodule Emily.SkipReport do
   def handle_cast({:test_finished, %ExUnit.Test{state: {:excluded, why}, tags: tags}}, counts) do
     tag =
       Enum.find(
-        [:nx, :conformance, :full, :training, :gpu, :non_finite, :soak, :fuzz],
+        [
+          :nx,
+          :conformance,
+          :full,
+          :training,
+          :install,
+          :mix_project,
+          :gpu,
+          :non_finite,
+          :soak,
+          :fuzz
+        ],
         :other,
         fn tag ->
           tags[tag] && why =~ "due to #{tag} filter"
