@@ -170,6 +170,16 @@ defmodule Emily.Native.BadInputTest do
       assert_close(l(N.cbrt(s(), t([-8.0, 27.0]))), [-2.0, 3.0])
     end
 
+    # An infinite magnitude at a zero angle part is an infinite part and an exact zero,
+    # as C99's cexp and Nx's Complex.cbrt give, not inf * 0 = NaN.
+    @tag :non_finite
+    test "expm1 and cbrt at infinite magnitudes" do
+      assert [{:neg_infinity, :infinity}, {:infinity, +0.0}] =
+               l(N.expm1(s(), c([{:infinity, 3.0}, {:infinity, 0.0}])))
+
+      assert [{:infinity, +0.0}] = l(N.cbrt(s(), c([{:infinity, 3.0}])))
+    end
+
     @tag :non_finite
     test "arctan2" do
       a = c([{1.0, 0.0}, {1.0, 1.0}])

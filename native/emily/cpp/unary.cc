@@ -100,8 +100,17 @@ namespace {
 
 bool is_complex(const array& a) { return issubdtype(a.dtype(), complexfloating); }
 
+// re + i im, the two parts laid side by side and read as one complex64: exact for
+// infinite parts too, where re + im * i would make a NaN of inf * 0.
 array complex_of(const array& re, const array& im, const Stream& s) {
-  return add(astype(re, complex64, s), multiply(astype(im, complex64, s), array(complex64_t(0, 1)), s), s);
+  auto parts = stack({astype(re, float32, s), astype(im, float32, s)}, -1, s);
+  return squeeze(view(contiguous(parts, false, s), complex64, s), -1, s);
+}
+
+// m * t, where a zero factor t gives 0 even for an infinite magnitude m: a part of a
+// complex number at angle 0 (or pi / 2) is exactly zero, not inf * 0.
+array scaled(const array& m, const array& t, const Stream& s) {
+  return where(equal(t, array(0.0f), s), zeros_like(t, s), multiply(m, t, s), s);
 }
 
 }  // namespace
@@ -113,7 +122,7 @@ array expm1_any(const array& a, const Stream& s) {
   auto x = real(a, s), y = imag(a, s);
   auto h = sin(multiply(y, array(0.5f), s), s);
   auto re = subtract(multiply(expm1(x, s), cos(y, s), s), multiply(array(2.0f), multiply(h, h, s), s), s);
-  return complex_of(re, multiply(exp(x, s), sin(y, s), s), s);
+  return complex_of(re, scaled(exp(x, s), sin(y, s), s), s);
 }
 
 array sigmoid_any(const array& a, const Stream& s) {
@@ -126,7 +135,7 @@ array cbrt(const array& a, const Stream& s) {
     // The principal root: |z|^(1/3) at a third of z's phase (Complex.cbrt).
     auto r = cbrt(abs(a, s), s);
     auto theta = divide(arctan2(imag(a, s), real(a, s), s), array(3.0f), s);
-    return complex_of(multiply(r, cos(theta, s), s), multiply(r, sin(theta, s), s), s);
+    return complex_of(scaled(r, cos(theta, s), s), scaled(r, sin(theta, s), s), s);
   }
   auto [out_t, x] = real_float_input("cbrt", a, s);
   auto ct = x.dtype();
