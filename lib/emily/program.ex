@@ -75,7 +75,7 @@ defmodule Emily.Program do
   `run/3` on a few streams. The first path exists because a dirty call leaves the
   caller's scheduler without work: it busy-waits, taking a core from MLX's and BLAS's
   threads, then sleeps and must be woken (on two cores, 10-20% of a 100 us graph;
-  `bench/README.md`).
+  measured with `bench/program.exs`).
 
   With `compile: true`, the first run on each thread (a stream's worker for `run/3`, and
   for `eval/3` on a GPU; for `eval/3` on the CPU, the dirty scheduler that runs it:

@@ -142,8 +142,8 @@ defmodule Emily.Stream do
   Without polling, a small op's round trip is dominated by the OS waking the sleeping
   worker thread; polling trades a busy core for that latency. Lazy ops alone never
   open the window, so a model queueing hundreds of ops is still handled in batches.
-  Measured (`bench/README.md`): on an idle 2-core machine, 50 us cut one op plus its
-  evaluation from 25-36 to 17-21 us (Python MLX: 13 us); on an H200 host, from 38-52 to
+  Measured with `bench/foundation.exs` and `bench/gpu/bench.exs`: on an idle 2-core
+  machine, 50 us cut one op plus its evaluation from 25-36 to 17-21 us (Python MLX: 13 us); on an H200 host, from 38-52 to
   27-31 us in most runs (Python MLX: 23-28 us). On a machine whose cores are all busy it
   is harmful: with both cores of that machine taken by other work, the same round trip
   went from 26 us to 78-1,300 us, because the poll delays the very threads (MLX's, the
