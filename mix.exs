@@ -31,7 +31,7 @@ defmodule Emily.MixProject do
           ~w(README.md guides/getting_started.md guides/devices_and_variants.md
              guides/bumblebee_and_serving.md guides/concurrency_with_streams.md
              guides/memory.md guides/quantization.md guides/cuda_server.md
-             guides/fallbacks.md) ++
+             guides/beyond_one_machine.md guides/fallbacks.md) ++
             for(
               nb <- ~w(getting_started defn_and_serving bumblebee_text bumblebee_vision
                        quantized_decoder mixed_precision memory_and_telemetry),
