@@ -225,10 +225,13 @@ defmodule Emily.Distributed do
     end)
   end
 
-  # MLX's ring backend reads its hosts from a JSON file: a private one per join.
+  # MLX's ring backend reads its hosts from a JSON file: a private one per join. The
+  # folder is named by the OS process too: the ranks of a group on one machine are VMs
+  # whose unique integers can coincide, and one's cleanup must not take another's file.
   defp with_hostfile(:ring, hosts, fun) do
-    dir = Path.join(System.tmp_dir!(), "emily-dist-#{System.unique_integer([:positive])}")
-    File.mkdir_p!(dir)
+    name = "emily-dist-#{System.pid()}-#{System.unique_integer([:positive])}"
+    dir = Path.join(System.tmp_dir!(), name)
+    File.mkdir!(dir)
     File.chmod!(dir, 0o700)
     path = Path.join(dir, "hosts.json")
     File.write!(path, "[" <> Enum.map_join(hosts, ",", &~s(["#{&1}"])) <> "]")
