@@ -19,13 +19,12 @@ import ast
 import math
 import os
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
-from bench import best  # noqa: E402
+from bench import best, serve as serve_runs  # noqa: E402
 
 DTYPES = {
     ("f", 16): "mx.float16", ("bf", 16): "mx.bfloat16", ("f", 32): "mx.float32",
@@ -199,18 +198,7 @@ def serve(dump):
         for label, f in fns.items():
             f()
             runs[f"{g['name']}_{label}"] = f
-    print("ready", flush=True)
-    for line in sys.stdin:
-        name, reps, warm = line.split()
-        f, reps = runs[name], int(reps)
-        until = time.perf_counter() + int(warm) / 1000
-        f()
-        while time.perf_counter() < until:
-            f()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            f()
-        print(f"{(time.perf_counter() - t0) / reps * 1e6:.3f}", flush=True)
+    serve_runs(runs)
 
 
 def main():

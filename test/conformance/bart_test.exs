@@ -85,14 +85,7 @@ if Code.ensure_loaded?(Bumblebee) do
         %{mode: mode, config: config, fixture: f} = ctx
         info = load(@name)
 
-        for {ids, expected} <- Enum.zip(f["input_ids"], f["generated_ids"]) do
-          inputs = %{
-            "input_ids" => Nx.tensor([ids]),
-            "attention_mask" => Nx.broadcast(1, {1, length(ids)})
-          }
-
-          assert refute_fallback(fn -> generate(info, config, inputs, mode) end) == [expected]
-        end
+        assert_greedy(info, config, f["input_ids"], f["generated_ids"], mode)
       end
     end
 
@@ -100,21 +93,16 @@ if Code.ensure_loaded?(Bumblebee) do
       %{tokenizer: tokenizer, config: config, fixture: f} = ctx
       info = load(@name)
 
-      build =
-        &Bumblebee.Text.generation(info, tokenizer, config,
-          compile: [batch_size: 4, sequence_length: 16],
-          defn_options: &1
-        )
-
-      inputs = f["sentences"] ++ Enum.take(f["sentences"], 2)
       # The serving pads each input on the left to 16 tokens: its reference is Transformers
       # on that padded batch.
-      expected = f["serving_generated_text"] ++ Enum.take(f["serving_generated_text"], 2)
-
-      for {how, results} <- refute_fallback(fn -> serve(build, inputs) end) do
-        texts = for %{results: [%{text: text}]} <- List.wrap(results), do: text
-        assert texts == expected, "#{how}: #{inspect(texts)}"
-      end
+      assert_generation_serving(
+        info,
+        tokenizer,
+        config,
+        f["sentences"],
+        f["serving_generated_text"],
+        16
+      )
     end
   end
 else

@@ -72,14 +72,7 @@ if Code.ensure_loaded?(Bumblebee) do
         %{mode: mode, config: config, fixture: f} = ctx
         info = load(@name)
 
-        for {ids, expected} <- Enum.zip(f["prompt_ids"], f["generated_ids"]) do
-          inputs = %{
-            "input_ids" => Nx.tensor([ids]),
-            "attention_mask" => Nx.broadcast(1, {1, length(ids)})
-          }
-
-          assert refute_fallback(fn -> generate(info, config, inputs, mode) end) == [expected]
-        end
+        assert_greedy(info, config, f["prompt_ids"], f["generated_ids"], mode)
       end
     end
 
@@ -87,19 +80,7 @@ if Code.ensure_loaded?(Bumblebee) do
       %{tokenizer: tokenizer, config: config, fixture: f} = ctx
       info = load(@name)
 
-      build =
-        &Bumblebee.Text.generation(info, tokenizer, config,
-          compile: [batch_size: 4, sequence_length: 8],
-          defn_options: &1
-        )
-
-      prompts = f["prompts"] ++ Enum.take(f["prompts"], 2)
-      expected = f["generated_text"] ++ Enum.take(f["generated_text"], 2)
-
-      for {how, results} <- refute_fallback(fn -> serve(build, prompts) end) do
-        texts = for %{results: [%{text: text}]} <- List.wrap(results), do: text
-        assert texts == expected, "#{how}: #{inspect(texts)}"
-      end
+      assert_generation_serving(info, tokenizer, config, f["prompts"], f["generated_text"], 8)
     end
   end
 else

@@ -122,6 +122,42 @@ if Code.ensure_loaded?(Bumblebee) do
     end
 
     @doc """
+    Asserts that greedy generation from each prompt (its token ids) gives Transformers'
+    token ids, with nothing leaving MLX's native paths.
+    """
+    def assert_greedy(info, config, prompt_ids, expected_ids, mode) do
+      for {ids, expected} <- Enum.zip(prompt_ids, expected_ids) do
+        inputs = %{
+          "input_ids" => Nx.tensor([ids]),
+          "attention_mask" => Nx.broadcast(1, {1, length(ids)})
+        }
+
+        assert refute_fallback(fn -> generate(info, config, inputs, mode) end) == [expected]
+      end
+    end
+
+    @doc """
+    Runs Bumblebee's text-generation serving (batch size 4, `sequence_length`) inline,
+    batched and partitioned (`serve/3`) on `texts` and the first two of them again, and
+    asserts the generated texts.
+    """
+    def assert_generation_serving(info, tokenizer, config, texts, expected, sequence_length) do
+      build =
+        &Bumblebee.Text.generation(info, tokenizer, config,
+          compile: [batch_size: 4, sequence_length: sequence_length],
+          defn_options: &1
+        )
+
+      inputs = texts ++ Enum.take(texts, 2)
+      expected = expected ++ Enum.take(expected, 2)
+
+      for {how, results} <- refute_fallback(fn -> serve(build, inputs) end) do
+        texts = for %{results: [%{text: text}]} <- List.wrap(results), do: text
+        assert texts == expected, "#{how}: #{inspect(texts)}"
+      end
+    end
+
+    @doc """
     Runs `fun` and asserts that nothing left MLX's native paths meanwhile, in any process
     (servings run the model in their own): no op fell back to `Nx.BinaryBackend`
     (`[:emily, :fallback, :start]`) and no compiled function fell back from

@@ -15,17 +15,8 @@ if Code.ensure_loaded?(Nx) do
     runs `Emily.Quantization.quantized_matmul/3`; a tensor kernel runs `Nx.dot/2`, as
     `Axon.Layers.dense/4`.
     """
-    deftransform dense(x, kernel, bias \\ 0, opts \\ []) do
-      bias = if is_list(bias), do: 0, else: bias
-
-      y =
-        case kernel do
-          %Emily.QuantizedWeight{} = qw -> Q.quantized_matmul(x, weight(qw))
-          kernel -> Nx.dot(x, [Nx.rank(x) - 1], kernel, [0])
-        end
-
-      _ = opts
-      Nx.add(y, bias)
+    deftransform dense(x, kernel, bias \\ 0, _opts \\ []) do
+      dense_with(x, kernel, bias, 0)
     end
 
     @doc """
@@ -34,16 +25,21 @@ if Code.ensure_loaded?(Nx) do
     `in` and runs `Emily.Quantization.quantized_matmul/3`; a tensor kernel runs
     `Nx.dot/4`.
     """
-    deftransform dense_transposed(x, kernel, bias \\ 0, opts \\ []) do
+    deftransform dense_transposed(x, kernel, bias \\ 0, _opts \\ []) do
+      dense_with(x, kernel, bias, 1)
+    end
+
+    # x · kernel (contracting the float kernel's axis `in_axis`) + bias; a quantized
+    # kernel is always quantized along `in`. Axon passes an empty list for no bias.
+    defp dense_with(x, kernel, bias, in_axis) do
       bias = if is_list(bias), do: 0, else: bias
 
       y =
         case kernel do
           %Emily.QuantizedWeight{} = qw -> Q.quantized_matmul(x, weight(qw))
-          kernel -> Nx.dot(x, [Nx.rank(x) - 1], kernel, [1])
+          kernel -> Nx.dot(x, [Nx.rank(x) - 1], kernel, [in_axis])
         end
 
-      _ = opts
       Nx.add(y, bias)
     end
 
