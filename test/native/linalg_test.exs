@@ -285,6 +285,62 @@ defmodule Emily.Native.LinalgTest do
     end
   end
 
+  # On a Linux CPU stream an f32 row times a matrix is one gemv call (cpp/gemv.cc), which
+  # reads the matrix through its strides: every layout it takes, against the Elixir oracle.
+  describe "dot of one row (gemv)" do
+    setup do
+      k = 37
+      n = 23
+      x = for i <- 1..k, do: :math.sin(i) * 1.0
+      w = for i <- 1..(k * n), do: :math.cos(i * 0.7)
+      %{k: k, n: n, x: x, w: w, expect: hd(mm([x], rows(w, n)))}
+    end
+
+    test "row-major and transposed matrices", %{k: k, n: n, x: x, w: w, expect: expect} do
+      xs = t(x, {:f, 32}, {1, k})
+      assert_close(l(N.dot(cpu(), xs, [1], [], t(w, {:f, 32}, {k, n}), [0], [])), expect, 1.0e-4)
+
+      # The (N, K) layout checkpoints hold, contracted on its second axis.
+      wt = N.transpose(cpu(), t(w, {:f, 32}, {k, n}), [1, 0])
+      wt = t(l(wt), {:f, 32}, {n, k})
+      assert_close(l(N.dot(cpu(), xs, [1], [], wt, [1], [])), expect, 1.0e-4)
+      # A leading unit axis (a batch of one token) is a row too.
+      out = N.dot(cpu(), t(x, {:f, 32}, {1, 1, k}), [2], [], wt, [1], [])
+      assert Emily.shape(out) == {1, 1, n}
+      assert_close(l(out), expect, 1.0e-4)
+    end
+
+    test "strided and broadcast operands", %{k: k, n: n, x: x, w: w, expect: expect} do
+      # Every other column of a (K, 2N) matrix, and the row as every other element.
+      wide = for r <- rows(w, n), v <- r, z <- [v, 99.0], do: z
+      b = N.slice(cpu(), t(wide, {:f, 32}, {k, 2 * n}), [0, 0], [k, 2 * n], [1, 2])
+
+      xs =
+        N.slice(
+          cpu(),
+          t(Enum.flat_map(x, &[&1, -5.0]), {:f, 32}, {1, 2 * k}),
+          [0, 0],
+          [1, 2 * k],
+          [1, 2]
+        )
+
+      assert_close(l(N.dot(cpu(), xs, [1], [], b, [0], [])), expect, 1.0e-4)
+
+      # A broadcast row (stride 0) and a broadcast matrix.
+      ones = N.broadcast_to(cpu(), t([1.0]), {1, k})
+      sums = for c <- transpose(rows(w, n)), do: Enum.sum(c)
+      assert_close(l(N.dot(cpu(), ones, [1], [], t(w, {:f, 32}, {k, n}), [0], [])), sums, 1.0e-4)
+      col = N.broadcast_to(cpu(), t(Enum.take(w, k), {:f, 32}, {k, 1}), {k, n})
+      dotx = dotv(x, Enum.take(w, k))
+
+      assert_close(
+        l(N.dot(cpu(), t(x, {:f, 32}, {1, k}), [1], [], col, [0], [])),
+        List.duplicate(dotx, n),
+        1.0e-4
+      )
+    end
+  end
+
   describe "tensordot" do
     test "contracts explicit axes lists" do
       # a {2, 3}, b {3, 2}: contracting a1 with b0 is matmul

@@ -1,6 +1,8 @@
 // Products composed from MLX ops (see linalg.h).
 #include "linalg.h"
 
+#include "gemv.h"
+
 #include <algorithm>
 #include <optional>
 #include <sstream>
@@ -149,7 +151,9 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
 
   // MLX sums small integers into a wider type; the cast back keeps Nx's result type, and
   // the wrapped result is the same since products and sums wrap modulo the same 2^n.
-  auto out = inexact ? mx::matmul(at, bt, s) : mx::astype(int_bmm(at, bt, s), type, s);
+  auto out = !inexact                          ? mx::astype(int_bmm(at, bt, s), type, s)
+             : batch.empty() && row_gemv_applies(at, bt, s) ? row_gemv(at, bt, s)
+                                                          : mx::matmul(at, bt, s);
 
   mx::Shape shape;
   for (int ax : ba) shape.push_back(a.shape(ax));

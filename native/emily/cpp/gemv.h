@@ -1,0 +1,15 @@
+// One row times a matrix on a CPU stream, through BLAS's gemv (see gemv.cc).
+#pragma once
+
+#include "emily.h"
+
+namespace emily {
+
+// Whether `row_gemv` computes `mx::matmul(x, b, s)` for these operands: a CPU stream on
+// Linux, f32 operands, x of shape (1, K) and b of shape (K, N), K and N nonzero.
+bool row_gemv_applies(const array& x, const array& b, const Stream& s);
+
+// x (1, K) times b (K, N), as `mx::matmul` computes it, where `row_gemv_applies`.
+array row_gemv(const array& x, const array& b, const Stream& s);
+
+}  // namespace emily
