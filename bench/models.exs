@@ -27,9 +27,10 @@
 # differently and part at some step, which is printed.
 #
 # Emily's per-token breakdown: the second call is traced (`:erlang.trace` on
-# Emily.Program.eval/3 and Emily.to_list/1, call times only): each pass of the loop is
-# one program evaluation and one read of the loop's condition; what lies between them is
-# the host's.
+# Emily.Program.run/3, Emily.Program.eval/3 and Emily.to_list/1, call times only): each
+# pass of the loop is one program call, queued before the previous pass's condition is
+# read (Emily.Compiler's `overlap`), and one read; a pass's period, and the host's time
+# from its program call to the read (building and queueing it).
 #
 # Encoder: BertModel (last hidden state and pooled output) on token ids {batch, 128},
 # Bumblebee's model through `Axon.build(compiler: Emily.Compiler)`, Transformers with as
@@ -122,20 +123,21 @@ if Code.ensure_loaded?(Bumblebee) do
     @moduledoc false
     alias Bench.Models, as: M
 
-    # A loop pass's program evaluations and condition reads, timed by call tracing:
-    # the call messages carry arities only (no tensors), so the trace holds no arrays.
+    # A loop pass's program calls (queued or evaluated) and condition reads, timed by
+    # call tracing: the call messages carry arities only (no tensors), so the trace
+    # holds no arrays.
+    @traced [{Emily.Program, :eval, 3}, {Emily.Program, :run, 3}, {Emily, :to_list, 1}]
+
     def traced(fun) do
       me = self()
       tracer = spawn(fn -> collect(me, []) end)
-      :erlang.trace_pattern({Emily.Program, :eval, 3}, true, [:global])
-      :erlang.trace_pattern({Emily, :to_list, 1}, true, [:global])
+      for mfa <- @traced, do: :erlang.trace_pattern(mfa, true, [:global])
       :erlang.trace(:all, true, [:call, :arity, :monotonic_timestamp, {:tracer, tracer}])
       t0 = System.monotonic_time()
       result = fun.()
       t1 = System.monotonic_time()
       :erlang.trace(:all, false, [:call])
-      :erlang.trace_pattern({Emily.Program, :eval, 3}, false, [:global])
-      :erlang.trace_pattern({Emily, :to_list, 1}, false, [:global])
+      for mfa <- @traced, do: :erlang.trace_pattern(mfa, false, [:global])
       send(tracer, :done)
 
       events =
@@ -166,35 +168,39 @@ if Code.ensure_loaded?(Bumblebee) do
     end
 
     @doc """
-    The per-token breakdown of a traced generation: the loop's passes are the program
-    evaluations followed by a condition read. Returns the prefill (from the call to
-    the first condition read) and, per pass, the program's time (evaluation to the
-    condition read) and the host's (condition read to the next evaluation), in ms.
+    The per-token breakdown of a traced generation: each pass of the loop is a program
+    call (`Emily.Program.run/3`, queued, where the loop overlaps; else
+    `Emily.Program.eval/3`) and a read of a condition. Returns the prefill (from the call
+    to the first condition read), the period between condition reads (a token's time),
+    and the time from a pass's program call to the next read, in ms (medians): where
+    the loop overlaps, the host's cost of building and queueing a pass, which the
+    device's work on the pass before hides while it is the shorter; else the pass's
+    whole evaluation.
     """
     def breakdown(t0, t1, events) do
       ms = fn native -> System.convert_time_unit(native, :native, :microsecond) / 1000 end
       reads = for {{Emily, :to_list}, ts} <- events, do: ts
-      evals = for {{Emily.Program, :eval}, ts} <- events, do: ts
+      calls = for {{Emily.Program, f}, ts} <- events, f in [:run, :eval], do: {f, ts}
+      queued = Enum.count(calls, &(elem(&1, 0) == :run))
       first_read = hd(reads)
 
-      # Each condition read after the first closes the pass whose evaluation is the
-      # last one before it.
-      passes =
-        reads
-        |> Enum.chunk_every(2, 1, :discard)
-        |> Enum.map(fn [prev, read] ->
-          start = evals |> Enum.filter(&(&1 > prev and &1 < read)) |> List.last()
-          {ms.(read - start), ms.(start - prev)}
-        end)
+      to_read =
+        for [prev, read] <- Enum.chunk_every(reads, 2, 1, :discard) do
+          {_, start} =
+            calls |> Enum.filter(&(elem(&1, 1) > prev and elem(&1, 1) < read)) |> List.last()
 
-      {program, host} = Enum.unzip(passes)
+          ms.(read - start)
+        end
+
+      periods = for [a, b] <- Enum.chunk_every(reads, 2, 1, :discard), do: ms.(b - a)
 
       %{
         prefill_ms: ms.(first_read - t0),
-        passes: length(passes),
-        evals: length(evals),
-        program_ms: Bench.median(program),
-        host_ms: Bench.median(host),
+        passes: length(periods),
+        calls: length(calls),
+        overlapped: queued > 0,
+        pass_ms: Bench.median(periods),
+        call_to_read_ms: Bench.median(to_read),
         after_ms: ms.(t1 - List.last(reads)),
         total_ms: ms.(t1 - t0)
       }
@@ -460,7 +466,7 @@ if qwen != [] do
       IO.puts("""
         Emily #{type}: load #{M.f(e.load_s, 1)} s (peak RSS after it #{M.f(e.rss_loaded_mb, 0)} MB); first call (graph lowered) #{M.f(e.first_call_s, 1)} s, same ids: #{e.first_call_tokens_equal}; timed call #{M.f(e.total_s, 1)} s
         #{e.rss_points}
-        per token: #{b.passes} loop passes, #{b.evals} program evaluations in all; a pass #{M.f(b.program_ms + b.host_ms, 1)} ms = program #{M.f(b.program_ms, 1)} ms + host #{M.f(b.host_ms, 2)} ms (medians); after the loop #{M.f(b.after_ms, 1)} ms\
+        per token: #{b.passes} loop passes, #{b.calls} program calls in all (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{M.f(b.pass_ms, 1)} ms, from its program call to the next read #{M.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{M.f(b.after_ms, 1)} ms\
       """)
     end
   end

@@ -49,7 +49,14 @@ if Code.ensure_loaded?(Nx) do
         conditionals and blocks: the loop runs on the host, and the graph becomes
         several programs: the loop's initial state, its condition, a pass (the body,
         and the condition on the state it makes), and the rest of the graph with the
-        loop's results as inputs; the host reads the condition's value after each;
+        loop's results as inputs; the host reads the condition's value after each.
+        Where a pass is one program (no host step inside the loop), the next pass is
+        queued before the condition is read, so the device computes while the host
+        reads and decides, as mlx-lm's generation does (a text generation's decoding
+        loop, say). The pass queued after the last is dropped unread, which costs one
+        pass's time at the end and the memory of one more loop state: `overlap: false`
+        reads each condition before queueing the next pass, for a loop of few passes
+        whose host part is small beside the device's (a large model on the CPU);
       * hooks (`hook`, `io_call`, `print_value`, tokens, `Nx.Serving`'s streaming, as
         each Nx release writes them: Nx 0.12's tokens, 0.13's `hook`, later `io_call`)
         and `runtime_call`, outside conditionals, blocks and unrolled loops (in a loop
@@ -139,6 +146,8 @@ if Code.ensure_loaded?(Nx) do
       * `:native` - `false` for the evaluator path (default `true`: see above).
       * `:fuse` - on the native path, `false` lowers every op as it is, without the
         fused kernels of "Fusion" above (default `true`).
+      * `:overlap` - on the native path, `false` reads a host loop's condition
+        before its next pass is queued (default `true`: see `while` above).
       * `:compile` - on the native path, compile the program with `mx::compile` (a
         graph deeper than a thread's stack can trace runs on the stream's worker, or
         there uncompiled: see `Emily.Program`). On the CPU, MLX builds each fused
@@ -432,7 +441,7 @@ if Code.ensure_loaded?(Nx) do
       stream = opts[:stream]
       {fun_key, opts_key} = keyed(key, opts)
       {cache?, opts} = Keyword.pop(opts, :cache, true)
-      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile, :fuse])
+      evaluator_opts = Keyword.drop(opts, [:device, :stream, :native, :compile, :fuse, :overlap])
 
       compile = fn ->
         in_context(stream, backend, fn ->

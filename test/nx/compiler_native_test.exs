@@ -778,6 +778,28 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    test "a host loop queues its next pass before it reads the condition, unless overlap: false" do
+      # (Under :debug_detect_nan_inf the loop falls back: no plan.)
+      unless Emily.Debug.detect_nan_inf?() do
+        for {opts, step} <- [{[], :queued}, {[overlap: false], :fused}],
+            x <- [Nx.tensor([1.0, 2.0]), Nx.tensor([200.0, 300.0])] do
+          jit = ejit(&grow/1, opts)
+          assert {:loop, _, _, {^step, {:program, _, _}}, _} = plan_of(jit, [x])
+          # The pass queued after the last (and, for no pass at all, the only one) is
+          # dropped: the result is the state the condition stopped at.
+          expected = if x == Nx.tensor([1.0, 2.0]), do: [127.0, 191.0], else: [200.0, 300.0]
+          assert Nx.to_flat_list(jit.(x)) == expected
+        end
+
+        for x <- [Nx.tensor([0.5, -1.0, 2.0]), Nx.tensor([3.0, 4.0, 5.0])] do
+          assert_same(
+            ejit(&host_loops/2, overlap: false).(x, Nx.tensor(3)),
+            ejit(&host_loops/2).(x, Nx.tensor(3))
+          )
+        end
+      end
+    end
+
     test "a conditional whose branch a program cannot hold runs on the host, one branch" do
       # A loop that reads the input; linear algebra guarded by the determinant (a
       # singular matrix makes LAPACK's solve raise: the branch must not run).

@@ -45,6 +45,24 @@ if Code.ensure_loaded?(Nx) do
       run(rest, inputs ++ results, stream)
     end
 
+    # A pass that is one program with no host step has no effects, so the next pass is
+    # queued before this one's condition is read (as mlx-lm queues a token's step before
+    # it reads the last token): the device computes pass n + 1 while the host waits for
+    # and reads condition n, and the host builds pass n + 2 while the device computes.
+    # The pass queued after the last one is dropped unread; it costs one pass's time
+    # and the memory of one more state.
+    defp repeat(pred, _condition, {:queued, {:program, program, extras}} = step, state, stream) do
+      next = Emily.Program.run(program, state ++ extras, stream: stream)
+      Emily.async_eval(next)
+
+      if Emily.to_list(pred) == [0] do
+        state
+      else
+        {state, [pred]} = Enum.split(next, -1)
+        repeat(pred, nil, step, state, stream)
+      end
+    end
+
     defp repeat(pred, condition, step, state, stream) do
       if Emily.to_list(pred) == [0] do
         state
@@ -213,7 +231,8 @@ if Code.ensure_loaded?(Nx) do
       lowered =
         lowering([arg], body, opts |> Keyword.put(:hosted, []) |> Keyword.put(:then, then))
 
-      {:fused, {:program, program(lowered, opts), lowered.extras}}
+      plan = {:program, program(lowered, opts), lowered.extras}
+      if Keyword.get(opts, :overlap, true), do: {:queued, plan}, else: {:fused, plan}
     catch
       {:host, _} -> {:body, elem(plan([arg], body, opts, []), 0)}
     end
