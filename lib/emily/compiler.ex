@@ -102,7 +102,8 @@ if Code.ensure_loaded?(Nx) do
 
     The native path also recognises, in the graphs Bumblebee's and Axon's layers build,
     the subgraphs that compute RMS norm (Bumblebee's `rms_norm`, either upcast mode),
-    layer norm (Axon's `layer_norm`) and scaled dot-product attention (Bumblebee's
+    layer norm (Axon's `layer_norm`), rotary embeddings (below) and scaled dot-product
+    attention (Bumblebee's
     attention: `softmax(q·k * scale + bias) · v`, the bias its key and causal masks as
     0 and the type's lowest value, keys and values repeated over grouped heads), and
     runs MLX's fused kernel for each (those `Emily.Fast`'s blocks run): over the last
@@ -115,9 +116,18 @@ if Code.ensure_loaded?(Nx) do
     f16 or bf16 (Axon's layer norm, Bumblebee's softmax, in those types) gets the more
     precise result, within the type's rounding of the unfused one. The rewrites are
     off with `fuse: false`, and under `:debug_detect_nan_inf` (whose checks follow the
-    ops `Emily.Backend` runs). Rotary embeddings are not rewritten: Bumblebee computes
-    them from its `position_ids` input, any positions, where MLX's kernel takes
-    consecutive ones from an offset.
+    ops `Emily.Backend` runs).
+
+    Rotary embeddings (Bumblebee's `x * cos + rotate_half(x) * sin`, the tables' rows
+    taken at `position_ids`) are rewritten where each row holds one position, as in a
+    decoding step: MLX's kernel takes positions as offsets from which it counts, so the
+    prompt's pass, whose positions can be any, lowers op by op. The tables must be
+    `cos` and `sin` of positions times frequencies (those of the base, or of a linear,
+    dynamic or Llama 3 scaling): the lowering finds the frequencies from the tables,
+    checks them against every row within f32's rounding of the angles, and gives
+    them to the kernel; other tables (longrope's rescaled ones) are not rewritten.
+    The kernel computes in f32, so a bf16 graph, which multiplies by tables rounded
+    to bf16, gets the more precise result.
 
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as
@@ -478,9 +488,9 @@ if Code.ensure_loaded?(Nx) do
     The fused kernels the native path runs for `fun` on `args` (tensors or templates),
     found by lowering its graph without running it, with the compiler options `opts`
     (see "Fusion"): one map per rewrite, in the order the lowering made them, each with
-    `:rewrite` (`:rms_norm`, `:layer_norm` or `:scaled_dot_product_attention`), the
-    result's `:shape` and `:type`, and the kernel's parameters (`:eps`, `:weight`,
-    `:bias`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`). Empty
+    `:rewrite` (`:rms_norm`, `:layer_norm`, `:rope` or `:scaled_dot_product_attention`),
+    the result's `:shape` and `:type`, and the kernel's parameters (`:eps`, `:weight`,
+    `:bias`; `:dims`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`). Empty
     with `fuse: false`, and where the graph runs on the evaluator path.
 
         Emily.Compiler.fusions(&MyModel.forward/2, [params, input])

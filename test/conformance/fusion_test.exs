@@ -166,10 +166,12 @@ if Code.ensure_loaded?(Bumblebee) do
 
       # The prompt's pass and the loop's step (each lowered once) both fuse every
       # block's attention (over the cache: its heads repeated, as Bumblebee caches them)
-      # and norms.
+      # and norms; the step (one position per row) also every block's query and key
+      # rotary embeddings, the prompt's pass (any positions) none.
       blocks = info.spec.num_blocks
       assert count(rewrites, :scaled_dot_product_attention) >= 2 * blocks
       assert count(rewrites, :rms_norm) >= 2 * (4 * blocks + 1)
+      assert count(rewrites, :rope) == 2 * blocks
 
       info = load("whisper")
       {:ok, featurizer} = Bumblebee.load_featurizer(repo("whisper"))

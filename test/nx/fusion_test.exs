@@ -178,6 +178,47 @@ if Code.ensure_loaded?(Nx) do
       Nx.dot(weights, [3], [0, 1], Nx.transpose(v, axes: [0, 2, 1, 3]), [2], [0, 1])
     end
 
+    # Bumblebee's apply_rotary_embedding (Layers.rotary_embedding): tables of
+    # `max_positions` rows from the base (or given frequencies), their rows at
+    # `position_ids`, a new axis, cast to the query's type; `x * cos + rotate_half(x) *
+    # sin`. `gain` scales the tables (as longrope's do), which the kernel cannot compute.
+    defn bb_rope(x, position_ids, opts \\ []) do
+      opts = keyword!(opts, positions: 16, base: 10_000, factor: 1.0, gain: 1.0)
+      size = Nx.axis_size(x, -1)
+      range = Nx.iota({div(size, 2)}) |> Nx.multiply(2) |> Nx.divide(size)
+      inv_frequency = 1.0 / Nx.pow(opts[:base], range) / opts[:factor]
+      angle = Nx.outer(Nx.iota({opts[:positions]}), inv_frequency)
+      angle = Nx.concatenate([angle, angle], axis: -1)
+      {cos, sin} = {Nx.cos(angle) * opts[:gain], Nx.sin(angle) * opts[:gain]}
+      position_ids = Nx.as_type(position_ids, :s64)
+      cos = cos |> Nx.take(position_ids) |> Nx.new_axis(2) |> Nx.as_type(Nx.type(x))
+      sin = sin |> Nx.take(position_ids) |> Nx.new_axis(2) |> Nx.as_type(Nx.type(x))
+      x * cos + rotate_half(x) * sin
+    end
+
+    defnp rotate_half(x) do
+      size = div(Nx.axis_size(x, -1), 2)
+      x1 = x[[.., .., .., 0..(size - 1)//1]]
+      x2 = x[[.., .., .., size..-1//1]]
+      Nx.concatenate([-x2, x1], axis: -1)
+    end
+
+    # The other half negated: not a rotation MLX's kernel computes.
+    defn rope_other_half(x, position_ids) do
+      angle = Nx.outer(Nx.iota({16}), Nx.iota({div(Nx.axis_size(x, -1), 2)}) + 1.0)
+      angle = Nx.concatenate([angle, angle], axis: -1)
+      cos = Nx.cos(angle) |> Nx.take(position_ids) |> Nx.new_axis(2)
+      sin = Nx.sin(angle) |> Nx.take(position_ids) |> Nx.new_axis(2)
+      size = div(Nx.axis_size(x, -1), 2)
+
+      rot =
+        Nx.concatenate([x[[.., .., .., size..-1//1]], -x[[.., .., .., 0..(size - 1)//1]]],
+          axis: -1
+        )
+
+      x * cos + rot * sin
+    end
+
     ## Helpers
 
     defp rand(shape, type \\ :f32, seed \\ 0) do
@@ -289,6 +330,36 @@ if Code.ensure_loaded?(Nx) do
       # The unbiased variance (divided by H - 1), and epsilon outside the square root.
       assert Emily.Compiler.fusions(&axon_ln(&1, &2, &3, ddof: 1), [x, g, b]) == []
       assert Emily.Compiler.fusions(&ln_eps_outside/3, [x, g, b]) == []
+    end
+
+    ## Rotary embedding
+
+    for type <- [:f32, :bf16] do
+      test "Bumblebee's rotary embedding on a decoding step (one position per row) in #{type}" do
+        type = Nx.Type.normalize!(unquote(type))
+        x = rand({3, 1, 4, 16}, type, 50)
+        # Each row at its own position, the last one the table's last.
+        ids = Nx.tensor([[0], [5], [63]])
+
+        for opts <- [[positions: 64], [positions: 64, base: 1_000_000, factor: 8.0]] do
+          {diff, fused} = compare(&bb_rope(&1, &2, opts), [x, ids])
+          assert [%{rewrite: :rope, dims: 16, type: ^type}] = fused
+          assert diff <= tol(type), "#{inspect(opts)}: #{diff}"
+        end
+      end
+    end
+
+    test "rotary embeddings the kernel does not compute are not rewritten" do
+      x = rand({2, 1, 2, 8}, :f32, 51)
+      ids = Nx.tensor([[1], [3]])
+      # Rescaled tables (longrope's), the other rotation, and a prefill (many
+      # positions per row, any positions: MLX's kernel takes consecutive ones).
+      assert Emily.Compiler.fusions(&bb_rope(&1, &2, gain: 1.5), [x, ids]) == []
+      assert Emily.Compiler.fusions(&rope_other_half/2, [x, ids]) == []
+      prefill = rand({2, 5, 2, 8}, :f32, 52)
+      assert Emily.Compiler.fusions(&bb_rope/2, [prefill, Nx.iota({2, 5})]) == []
+      {diff, _} = compare(&bb_rope(&1, &2, gain: 1.5), [x, ids])
+      assert diff == 0.0
     end
 
     ## Attention

@@ -2,9 +2,9 @@ if Code.ensure_loaded?(Nx) do
   defmodule Emily.Compiler.Native.Fusion do
     @moduledoc false
     # Rewrites of the native path (Emily.Compiler.Native): subgraphs that compute RMS
-    # norm, layer norm or scaled dot-product attention as chains of Nx ops, in the exact
-    # form Bumblebee's and Axon's layers write them, lowered to MLX's fused kernel for
-    # that function (the ops Emily.Fast's blocks lower to). A node is rewritten when it
+    # norm, layer norm, rotary embeddings or scaled dot-product attention as chains of
+    # Nx ops, in the exact form Bumblebee's and Axon's layers write them, lowered to
+    # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to). A node is rewritten when it
     # is the root of such a subgraph, matched on its ops, arguments and shapes; the
     # nodes inside are then not lowered (unless something else reads them, which
     # lowers them as usual).
@@ -23,7 +23,7 @@ if Code.ensure_loaded?(Nx) do
     alias Nx.Tensor, as: T
     alias Nx.Defn.Expr
 
-    import Emily.Compiler.Native, only: [emit: 3, operand: 3]
+    import Emily.Compiler.Native, only: [emit: 3, operand: 3, lower_node: 2, constant_value: 2]
 
     @kernel_types [{:f, 16}, {:bf, 16}, {:f, 32}]
 
@@ -31,9 +31,12 @@ if Code.ensure_loaded?(Nx) do
     # The slot of `t` lowered to a fused kernel, with the rewrite recorded in
     # `st.fused`; nil where no rewrite matches `t`.
     def rewrite(%T{data: %Expr{op: op}} = t, st) when op in [:multiply, :add, :dot] do
-      case match(t) do
-        nil -> nil
-        {info, build} -> record(build.(st), Map.put(info, :shape, t.shape), t)
+      # (A build may still decline, on values it computes: nil.)
+      with {info, build} <- match(t),
+           {_slot, _st} = built <- build.(st) do
+        record(built, Map.put(info, :shape, t.shape), t)
+      else
+        _ -> nil
       end
     end
 
@@ -94,7 +97,7 @@ if Code.ensure_loaded?(Nx) do
     # the layer norm kernel takes the centering too.)
     defp match(%T{data: %Expr{op: :multiply}} = t), do: layer_norm(t) || rms_norm(t)
 
-    defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t)
+    defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t) || rope(t)
 
     ## RMS norm
 
@@ -311,6 +314,175 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp affine_vector?(_v, _shape), do: false
+
+    ## Rotary embedding
+
+    # Bumblebee's apply_rotary_embedding on one position per row (a decoding step):
+    # `x * cos + rotate_half(x) * sin` on `[B, 1, heads, D]`, cos and sin the rows of
+    # its tables at `position_ids` (`take`, a new axis, a cast to x's type), rotate_half
+    # `concatenate([-x[.., D/2..], x[.., ..D/2]])`. MLX's kernel takes positions as
+    # offsets, which for one position per row are the positions themselves. The tables
+    # are constants: the rewrite fires only where they are `cos` and `sin` of
+    # `p * f` for some frequencies `f` (each half of the last axis the same), found
+    # from the tables and checked against them within f32's rounding of the angles,
+    # and the kernel is given those frequencies (so every scaling strategy whose tables
+    # have that form is covered, and one whose tables do not, such as longrope's
+    # rescaled ones, is not rewritten). The kernel computes in f32: where the graph
+    # multiplies in f16 or bf16 by tables cast to that type, the kernel's result is the
+    # more precise one. Prefill (many positions per row, any positions) lowers op by op.
+    defp rope(%T{shape: {b, 1, _h, d} = shape, type: type, data: %Expr{args: [l, r]}})
+         when rem(d, 2) == 0 do
+      Enum.find_value([{l, r}, {r, l}], fn {direct, rotated} ->
+        with {x, cos, ids} <- table_product(direct, shape, type),
+             {rot, sin, ids2} <- table_product(rotated, shape, type),
+             true <- same?(ids, ids2) and rotated_half?(rot, x, d) do
+          build = fn st -> rope_build(x, cos, sin, ids, b, d, st) end
+          {%{rewrite: :rope, dims: d}, build}
+        else
+          _ -> nil
+        end
+      end)
+    end
+
+    defp rope(_t), do: nil
+
+    # `y * c` (either order), y of `shape` and `type`, c the rows of a `{P, D}` table at
+    # `{B, 1}` positions, as `{B, 1, 1, D}`: `{y, table, position_ids}`.
+    defp table_product(t, {b, 1, _, d} = shape, type) do
+      with %T{data: %Expr{op: :multiply, args: [p, q]}} <- strip(t) do
+        Enum.find_value([{p, q}, {q, p}], fn {y, c} ->
+          with %T{shape: ^shape, type: ^type} <- y,
+               %T{shape: {^b, 1, 1, ^d}} <- c,
+               {:ok, table, ids} <- table_rows(c) do
+            {y, table, ids}
+          else
+            _ -> nil
+          end
+        end)
+      else
+        _ -> nil
+      end
+    end
+
+    defp table_rows(c) do
+      rows =
+        case strip(c) do
+          %T{data: %Expr{op: :as_type, args: [%T{type: {k, _}} = from]}} when k in [:f, :bf] ->
+            from
+
+          other ->
+            other
+        end
+
+      with %T{data: %Expr{op: :reshape, args: [taken]}} <- strip(rows),
+           %T{data: %Expr{op: :block, args: [%Nx.Block.Take{axis: 0}, [table, ids], _, _]}} <-
+             strip(taken),
+           %T{shape: {_, _}, type: {:f, 32}} <- table,
+           %T{shape: {_, 1}, type: {k, _}} when k in [:s, :u] <- ids do
+        {:ok, table, ids}
+      else
+        _ -> :error
+      end
+    end
+
+    # `concatenate([-x[.., h..], x[.., ..h]], -1)`, h = D / 2, slices of the whole rest.
+    defp rotated_half?(rot, x, d) do
+      h = div(d, 2)
+
+      with %T{data: %Expr{op: :concatenate, args: [[neg, lo], 3]}} <- strip(rot),
+           %T{data: %Expr{op: :negate, args: [hi]}} <- strip(neg) do
+        half_slice?(hi, x, h) and half_slice?(lo, x, 0)
+      else
+        _ -> false
+      end
+    end
+
+    defp half_slice?(t, x, from) do
+      {b, l, heads, d} = x.shape
+
+      case strip(t) do
+        %T{data: %Expr{op: :slice, args: [y, start, lengths, strides]}} ->
+          same?(y, x) and start == [0, 0, 0, from] and
+            lengths == [b, l, heads, div(d, 2)] and strides == [1, 1, 1, 1]
+
+        _ ->
+          false
+      end
+    end
+
+    defp rope_build(x, cos, sin, ids, b, d, st) do
+      {tc, st} = lower_node(cos, st)
+      {ts, st} = lower_node(sin, st)
+
+      with true <- MapSet.member?(st.const, tc) and MapSet.member?(st.const, ts),
+           {cv, st} = constant_value(tc, st),
+           {sv, st} = constant_value(ts, st),
+           {:ok, freqs} <- rope_frequencies(cv, sv, d, st.device) do
+        {xs, st} = lower_node(x, st)
+        {ids, st} = operand(ids, {:s, 32}, st)
+        {offsets, st} = emit(st, :reshape, [ids, {b}])
+        {periods, st} = constant_vector(Enum.map(freqs, &(1 / &1)), st)
+        {heads_first, st} = emit(st, :transpose, [xs, [0, 2, 1, 3]])
+        {y, st} = emit(st, :rope_array, [heads_first, d, false, 0.0, 1.0, offsets, periods])
+        emit(st, :transpose, [y, [0, 2, 1, 3]])
+      else
+        _ -> nil
+      end
+    end
+
+    # A vector of f32 numbers as constant instructions (folded into one value).
+    defp constant_vector(values, st) do
+      {slots, st} = Enum.map_reduce(values, st, &emit(&2, :full, [{1}, &1, {:f, 32}]))
+      emit(st, :concatenate, [slots, 0])
+    end
+
+    # The frequencies f (D / 2 of them) for which the `{P, D}` tables are cos and sin of
+    # `p * f`, each half of D the same: estimated from rows 1, 2, 4, ... (the angle at
+    # row 2q unwrapped around twice the estimate at q, so each step halves the error),
+    # then checked over every row, in f32 as the tables were computed, within a few
+    # roundings of the largest angle.
+    defp rope_frequencies(cos, sin, d, device) do
+      alias Emily.Native, as: N
+      s = Emily.Stream.default(device)
+      {p, ^d} = Emily.shape(cos)
+      h = div(d, 2)
+      row = fn t, i -> Emily.to_list(N.slice(s, t, [i, 0], [i + 1, h], [1, 1])) end
+
+      with true <- p >= 2,
+           f0 = Enum.zip_with(row.(sin, 1), row.(cos, 1), &:math.atan2/2),
+           f = refined(f0, 2, p, row, cos, sin),
+           true <- Enum.all?(f, &(&1 > 0)) do
+        freqs = Emily.from_list(f, {:f, 32}, stream: s)
+        positions = N.reshape(s, N.arange(s, 0, p, 1, {:f, 32}), {p, 1})
+        angle = N.multiply(s, positions, N.reshape(s, freqs, {1, h}))
+        angle = N.concatenate(s, [angle, angle], 1)
+        tol = 1.0e-5 + 8 * p * Enum.max(f) * :math.pow(2, -24)
+
+        err =
+          for {table, fun} <- [{cos, &N.cos/2}, {sin, &N.sin/2}] do
+            diff = N.abs(s, N.subtract(s, table, fun.(s, angle)))
+            hd(Emily.to_list(N.max(s, diff, [0, 1], false)))
+          end
+
+        if Enum.max(err) <= tol, do: {:ok, f}, else: :error
+      else
+        _ -> :error
+      end
+    end
+
+    defp refined(f, q, p, _row, _cos, _sin) when q >= p, do: f
+
+    defp refined(f, q, p, row, cos, sin) do
+      angles = Enum.zip_with(row.(sin, q), row.(cos, q), &:math.atan2/2)
+
+      f =
+        Enum.zip_with(angles, f, fn a, est ->
+          turns = Float.round((q * est - a) / (2 * :math.pi()))
+          (a + 2 * :math.pi() * turns) / q
+        end)
+
+      refined(f, q * 2, p, row, cos, sin)
+    end
 
     ## Attention
 
