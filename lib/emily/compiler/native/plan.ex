@@ -28,6 +28,11 @@ if Code.ensure_loaded?(Nx) do
     def run({:program, program, extras}, inputs, stream),
       do: Emily.Program.eval(program, inputs ++ extras, stream: stream)
 
+    def run({:pass, program, extras, layout}, inputs, stream) do
+      inputs = inputs ++ extras
+      placed(layout, List.to_tuple(inputs), Emily.Program.eval(program, inputs, stream: stream))
+    end
+
     def run({:loop, initial, condition, step, rest}, inputs, stream) do
       state = run(initial, inputs, stream)
       [pred] = run(condition, state, stream)
@@ -51,9 +56,17 @@ if Code.ensure_loaded?(Nx) do
     # and reads condition n, and the host builds pass n + 2 while the device computes.
     # The pass queued after the last one is dropped unread; it costs one pass's time
     # and the memory of one more state.
-    defp repeat(pred, _condition, {:queued, {:program, program, extras}} = step, state, stream) do
-      next = Emily.Program.run(program, state ++ extras, stream: stream)
-      Emily.async_eval(next)
+    defp repeat(
+           pred,
+           _condition,
+           {:queued, {:pass, program, extras, layout}} = step,
+           state,
+           stream
+         ) do
+      inputs = state ++ extras
+      computed = Emily.Program.run(program, inputs, stream: stream)
+      Emily.async_eval(computed)
+      next = placed(layout, List.to_tuple(inputs), computed)
 
       if Emily.to_list(pred) == [0] do
         state
@@ -71,6 +84,14 @@ if Code.ensure_loaded?(Nx) do
         repeat(pred, condition, step, state, stream)
       end
     end
+
+    # A pass's outputs in order: its computed ones, and the inputs it passes through.
+    defp placed([], _inputs, []), do: []
+
+    defp placed([{:input, i} | rest], inputs, outs),
+      do: [elem(inputs, i) | placed(rest, inputs, outs)]
+
+    defp placed([:computed | rest], inputs, [out | outs]), do: [out | placed(rest, inputs, outs)]
 
     # One pass: the next state, and the condition's value on it.
     defp advance({:fused, plan}, _condition, state, stream) do
@@ -231,10 +252,25 @@ if Code.ensure_loaded?(Nx) do
       lowered =
         lowering([arg], body, opts |> Keyword.put(:hosted, []) |> Keyword.put(:then, then))
 
-      plan = {:program, program(lowered, opts), lowered.extras}
+      plan = pass(lowered, opts)
       if Keyword.get(opts, :overlap, true), do: {:queued, plan}, else: {:fused, plan}
     catch
       {:host, _} -> {:body, elem(plan([arg], body, opts, []), 0)}
+    end
+
+    # A pass's program, `{:pass, program, extras, layout}`, returning only the outputs it
+    # computes: the state a loop's body hands on unchanged (Bumblebee's generation loop
+    # carries the model's parameters through every pass) is its inputs, which the host
+    # puts back in their places (`layout`, per output `:computed` or `{:input, i}`)
+    # rather than the program making a handle for each of them on every pass.
+    defp pass(lowered, opts) do
+      n = lowered.inputs
+      # (A program has an output: one that computes none returns what it passes on.)
+      computes? = Enum.any?(lowered.outputs, &(&1 >= n))
+      passed? = &(computes? and &1 < n)
+      layout = Enum.map(lowered.outputs, &if(passed?.(&1), do: {:input, &1}, else: :computed))
+      computed = Enum.reject(lowered.outputs, passed?)
+      {:pass, program(%{lowered | outputs: computed}, opts), lowered.extras, layout}
     end
 
     # `{:call, data, call, rest}`: the plan of the data, the call, the plan of the rest,
