@@ -26,6 +26,40 @@ defmodule Emily.ProgramTest do
     assert Emily.shape(out) == {2}
   end
 
+  test "dynamic updates sharing start indices clamp them per target, as one by one" do
+    # (A program's replay clamps each starts array once per limit: cpp/index.h.)
+    instrs = [
+      {:slice_update_dynamic, [0, 2, 3, [0]]},
+      {:slice_update_dynamic, [1, 2, 3, [0]]},
+      {:slice_update_dynamic, [0, 2, 4, [0]]},
+      {:slice_update_dynamic, [1, 2, 3, [0]]}
+    ]
+
+    p = Program.new(instrs, inputs: 5, outputs: [5, 6, 7, 8])
+    a6 = t(Enum.map(0..5, &(&1 * 1.0)))
+    a4 = t([0.0, 1.0, 2.0, 3.0])
+    u = t([-1.0, -2.0])
+    ins = [a6, a4, u, t([4], {:s, 32}), t([1], {:s, 64})]
+
+    for compile <- [false, true] do
+      outs =
+        Program.run(
+          if(compile,
+            do: Program.new(instrs, inputs: 5, outputs: [5, 6, 7, 8], compile: true),
+            else: p
+          ),
+          ins
+        )
+
+      assert Enum.map(outs, &l/1) == [
+               [0.0, 1.0, 2.0, 3.0, -1.0, -2.0],
+               [0.0, 1.0, -1.0, -2.0],
+               [0.0, -1.0, -2.0, 3.0, 4.0, 5.0],
+               [0.0, 1.0, -1.0, -2.0]
+             ]
+    end
+  end
+
   test "a compiled program equals the uncompiled one, run after run" do
     ins = inputs()
     compiled = program(compile: true)

@@ -68,8 +68,21 @@ array column(const array& indices, int j, const Stream& s) {
   return mx::squeeze(mx::slice(indices, start, stop, s), r - 1, s);
 }
 
-// `starts` (one per axis) clamped to [0, limit[i]] and made int32.
+thread_local StartsMemo* starts_memo = nullptr;
+
+array clamp_starts_now(const array& starts, const std::vector<int64_t>& limit, const Stream& s);
+
+// `starts` (one per axis) clamped to [0, limit[i]] and made int32 (once per StartsMemo).
 array clamp_starts(const array& starts, const std::vector<int64_t>& limit, const Stream& s) {
+  if (!starts_memo) return clamp_starts_now(starts, limit, s);
+  for (const auto& e : starts_memo->entries)
+    if (e.id == starts.id() && e.stream == s.index && e.limit == limit) return e.value;
+  array value = clamp_starts_now(starts, limit, s);
+  starts_memo->entries.push_back({starts.id(), limit, s.index, value});
+  return value;
+}
+
+array clamp_starts_now(const array& starts, const std::vector<int64_t>& limit, const Stream& s) {
   check_integer(starts, "starts");
   int n = static_cast<int>(limit.size());
   if (starts.size() != limit.size()) {
@@ -83,6 +96,9 @@ array clamp_starts(const array& starts, const std::vector<int64_t>& limit, const
 }
 
 }  // namespace
+
+StartsMemo::StartsMemo() : previous(starts_memo) { starts_memo = this; }
+StartsMemo::~StartsMemo() { starts_memo = previous; }
 
 int normalize_axis(int axis, int ndim) {
   int a = axis < 0 ? axis + ndim : axis;

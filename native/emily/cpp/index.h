@@ -3,12 +3,34 @@
 // is first clamped into range (reads) or routed away from the target (writes).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include "emily.h"
 
 namespace emily {
+
+// While one is alive on a thread, the clamped start indices of the dynamic slices and
+// updates below are computed once per starts array and limit: a program's replay (each
+// decoding step writes every layer's key and value cache at the same position) builds
+// one clamp instead of one per update. The replay's slots keep every array alive, so
+// an array's id is not reused while the memo holds it.
+struct StartsMemo {
+  StartsMemo();
+  ~StartsMemo();
+  StartsMemo(const StartsMemo&) = delete;
+  StartsMemo& operator=(const StartsMemo&) = delete;
+
+  struct Entry {
+    std::uintptr_t id;
+    std::vector<int64_t> limit;
+    int stream;
+    array value;
+  };
+  std::vector<Entry> entries;
+  StartsMemo* previous;
+};
 
 // Dynamic slice of `sizes` (one per axis of `a`) starting at `starts` (one per entry of
 // `axes`; other axes start at 0), clamped like Nx: start = min(max(start, 0), dim - size).

@@ -15,6 +15,7 @@
 #include "emily/src/bridge.rs.h"
 #include "mlx/compile_impl.h"
 #include "mlx/scheduler.h"
+#include "index.h"
 #include "ops.h"
 
 namespace emily {
@@ -43,6 +44,7 @@ void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots) {
 // instruction reads its inputs in place and appends its outputs to the slots, through a
 // vector reused from op to op: an op costs MLX's work and a table lookup, no allocation.
 static std::vector<array> replay(const ProgramSpec& p, const std::vector<array>& inputs, const Stream& s) {
+  StartsMemo memo;
   std::vector<array> slots;
   // Reserved for every output up front: the Reader's references into it stay valid.
   size_t n_slots = inputs.size();
