@@ -6,6 +6,7 @@
 #     python3 bench/make_models.py                       # once: $EMILY_CACHE/bench-models
 #     MIX_ENV=test mix run path/to/emily/bench/models.exs [--only=qwen,bert]
 #         [--types=f32,bf16] [--new=64] [--pairs=5] [--dir=DIR] [--trace-file=PATH]
+#         [--compile=true] [--overlap=false] [--fuse=false]   (Emily.Compiler's options)
 #
 # Run it from a Mix project with Emily, Nx 0.12 and Bumblebee as dependencies (Bumblebee
 # 0.7 needs Nx 0.12). `python3` on the PATH needs torch and transformers;
@@ -34,14 +35,17 @@
 #
 # Encoder: BertModel (last hidden state and pooled output) on token ids {batch, 128},
 # Bumblebee's model through `Axon.build(compiler: Emily.Compiler)`, Transformers with as
-# many threads as MLX's OpenBLAS (every core); paired windows (`Bench.paired/6`).
+# many threads as MLX's OpenBLAS (every core) or on CUDA where Emily runs on a GPU;
+# paired windows (`Bench.paired/6`).
 #
 # Bandwidth: a 1 GiB copy (numpy) and sum (PyTorch, every core) in the same run; the
 # bound for a decode token is the bytes of weights it reads (every matrix once, the tied
 # embedding as the LM head) over the read bandwidth.
 #
-# Without Bumblebee (a GPU bundle: `bin/emily-run bench/models.exs`), only the Python
-# sides run (on CUDA for PyTorch, the GPU for mlx-lm where it is installed), beside
+# On a GPU (Emily's default device), PyTorch runs on CUDA and mlx-lm on the GPU where it
+# is installed. On a server without Erlang, run it from a bundle that carries a Mix
+# project's Nx and Bumblebee (scripts/bundle, EMILY_BUNDLE_LIBS):
+# `bin/emily-run bench/models.exs`. Without Bumblebee, only the Python sides run, beside
 # Emily's hand-built Qwen3 decode step of bench/gpu/decode.exs.
 Code.require_file("support/bench.exs", __DIR__)
 
@@ -206,7 +210,7 @@ if Code.ensure_loaded?(Bumblebee) do
       }
     end
 
-    def generate(dir, type, prompt, new) do
+    def generate(dir, type, prompt, new, defn_options) do
       Bench.isolated(fn ->
         Nx.default_backend(Emily.Backend)
         M.reset_rss_peak()
@@ -237,7 +241,7 @@ if Code.ensure_loaded?(Bumblebee) do
         serving =
           Bumblebee.Text.generation(info, tokenizer, config,
             compile: [batch_size: 1, sequence_length: byte_size(prompt)],
-            defn_options: [compiler: Emily.Compiler]
+            defn_options: [compiler: Emily.Compiler] ++ defn_options
           )
           |> Nx.Serving.client_postprocessing(fn {%{token_ids: ids}, _meta}, _info ->
             Nx.to_flat_list(ids)
@@ -293,7 +297,7 @@ if Code.ensure_loaded?(Bumblebee) do
       end)
     end
 
-    def bert(dir, batches, pairs) do
+    def bert(dir, batches, pairs, gpu?) do
       {:ok, %{model: model, params: params, spec: spec}} =
         Bumblebee.load_model({:local, dir}, architecture: :base, backend: Emily.Backend)
 
@@ -302,7 +306,7 @@ if Code.ensure_loaded?(Bumblebee) do
       server =
         Bench.python_server(
           Path.join(__DIR__, "models.py"),
-          ["bert", dir, Enum.join(batches, ",")],
+          ["bert", dir, Enum.join(batches, ","), if(gpu?, do: "cuda", else: "cpu")],
           []
         )
 
@@ -343,6 +347,11 @@ only = M.option(argv, "only", "qwen,bert") |> String.split(",")
 types = M.option(argv, "types", "f32,bf16") |> String.split(",") |> Enum.map(&String.to_atom/1)
 new = M.option(argv, "new", "64") |> String.to_integer()
 pairs = M.option(argv, "pairs", "5") |> String.to_integer()
+# Emily.Compiler's options for the generation serving, e.g. --compile=true --overlap=false.
+defn_options =
+  for name <- [:compile, :overlap, :fuse],
+      value = M.option(argv, "#{name}", nil),
+      do: {name, value == "true"}
 
 for m <- ["qwen3-f32", "qwen3-bf16", "bert-f32"],
     not File.exists?(Path.join([dir, m, "config.json"])) do
@@ -386,7 +395,7 @@ qwen =
       end
 
       emily_side = fn ->
-        if bumblebee?, do: Bench.Models.Emily.generate(ckpt, type, prompt, new)
+        if bumblebee?, do: Bench.Models.Emily.generate(ckpt, type, prompt, new, defn_options)
       end
 
       # Emily first, then the others; the next type in the reverse order.
@@ -408,9 +417,9 @@ File.rm(ids_file)
 File.rm(ids_file <> ".out")
 
 bert =
-  if "bert" in only and bumblebee? and not gpu? do
+  if "bert" in only and bumblebee? do
     IO.puts("BERT, load average #{M.load_average()}")
-    Bench.Models.Emily.bert(Path.join(dir, "bert-f32"), [1, 8], pairs)
+    Bench.Models.Emily.bert(Path.join(dir, "bert-f32"), [1, 8], pairs, gpu?)
   else
     []
   end

@@ -14,11 +14,11 @@ on PyTorch, on the checkpoints bench/make_models.py makes. Each command prints
     python3 bench/models.py bandwidth
         the memory bandwidth of a 1 GiB f32 copy (numpy: bytes read + written) and of a
         sum over it (PyTorch, all threads: bytes read), GB/s.
-    python3 bench/models.py bert DIR BATCHES --serve
+    python3 bench/models.py bert DIR BATCHES [DEVICE] --serve
         a server of timed windows (bench/support/bench.py, `serve`) of the BERT forward
         pass (Transformers' BertModel, last hidden state and pooled output) on token ids
         {batch, 128} (bench/models.exs sends the same ids), one run name per batch size:
-        `bert_B`.
+        `bert_B`. DEVICE: cpu (default) or cuda.
 
 Threads: PyTorch uses every core (torch.set_num_threads(os.cpu_count())), as MLX's
 OpenBLAS does. mlx-lm is run with OpenBLAS preloaded (bench/models.exs sets LD_PRELOAD):
@@ -151,20 +151,22 @@ def bandwidth():
     print(f"read_gbs {n * 4 / t / 1e9:.4f}", flush=True)
 
 
-def bert(path, batches):
+def bert(path, batches, device):
     import torch
     import transformers as tf
 
     torch.set_num_threads(os.cpu_count())
-    model = tf.BertModel.from_pretrained(path).eval()
+    model = tf.BertModel.from_pretrained(path).to(device).eval()
     runs = {}
     for b in batches:
-        x = bert_ids(b, model.config.vocab_size)
+        x = bert_ids(b, model.config.vocab_size).to(device)
         mask = torch.ones_like(x)
 
         def run(x=x, mask=mask):
             with torch.no_grad():
                 out = model(input_ids=x, attention_mask=mask)
+            if device == "cuda":
+                torch.cuda.synchronize()
             return out.last_hidden_state, out.pooler_output
 
         runs[f"bert_{b}"] = run
@@ -188,7 +190,8 @@ def main():
     elif cmd == "bandwidth":
         bandwidth()
     elif cmd == "bert":
-        bert(sys.argv[2], [int(b) for b in sys.argv[3].split(",")])
+        device = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] != "--serve" else "cpu"
+        bert(sys.argv[2], [int(b) for b in sys.argv[3].split(",")], device)
     else:
         raise SystemExit(__doc__)
 
