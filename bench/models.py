@@ -42,29 +42,34 @@ def read_ids(path):
         return [int(x) for x in f.read().split()]
 
 
+def mlx_greedy(model, prompt, count):
+    """mlx-lm's greedy `generate_step` of `count` tokens from `prompt`: the start time, the
+    tokens, and the time each arrived."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
+    tokens, times = [], []
+    t0 = time.perf_counter()
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=count, sampler=sampler):
+        tokens.append(int(token))
+        times.append(time.perf_counter())
+    return t0, tokens, times
+
+
 def mlx_generate(path, ids, n, device):
     from pathlib import Path
 
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
     if device == "gpu":
         mx.set_default_device(mx.gpu)
     model, _ = load_model(Path(path))
 
-    def run(prompt, count):
-        sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
-        tokens, times = [], []
-        t0 = time.perf_counter()
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=count, sampler=sampler):
-            tokens.append(int(token))
-            times.append(time.perf_counter())
-        return t0, tokens, times
-
-    run(ids[:8], 2)
+    mlx_greedy(model, ids[:8], 2)
     mx.reset_peak_memory()
-    t0, tokens, times = run(ids, n)
+    t0, tokens, times = mlx_greedy(model, ids, n)
     return t0, tokens, times, {"mlx_peak_mb": mx.get_peak_memory() / 2**20}
 
 

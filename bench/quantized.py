@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import read_ids  # noqa: E402
+from models import mlx_greedy, read_ids  # noqa: E402
 
 
 def status_mb(field):
@@ -46,7 +46,6 @@ def generate(path, ids_file, n, bits, device):
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model, quantize_model
 
     if device == "gpu":
@@ -71,20 +70,11 @@ def generate(path, ids_file, n, bits, device):
     floats = sum(type(m) in (nn.Linear, nn.Embedding) for m in layers)
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
-    def run(prompt, count):
-        sampler = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
-        tokens, times = [], []
-        t0 = time.perf_counter()
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=count, sampler=sampler):
-            tokens.append(int(token))
-            times.append(time.perf_counter())
-        return t0, tokens, times
-
-    run(ids[:8], 2)
+    mlx_greedy(model, ids[:8], 2)
     rss_load = status_mb("VmHWM")
     reset_rss_peak()
     mx.reset_peak_memory()
-    t0, tokens, times = run(ids, n)
+    t0, tokens, times = mlx_greedy(model, ids, n)
     assert len(tokens) == n and len(times) == n, (len(tokens), len(times))
     with open(ids_file + ".out", "w") as f:
         f.write(" ".join(map(str, tokens)) + "\n")
