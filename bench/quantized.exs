@@ -75,7 +75,6 @@ defmodule Bench.Quantized do
   # Resets the process's peak RSS (VmHWM) to its current RSS.
   def reset_rss_peak, do: File.write("/proc/self/clear_refs", "5")
   def rss_peak_mb, do: status_mb("VmHWM")
-  def rss_mb, do: status_mb("VmRSS")
 
   defp status_mb(field) do
     [_, kb] = Regex.run(~r/#{field}:\s+(\d+) kB/, File.read!("/proc/self/status"))
@@ -196,8 +195,8 @@ if Code.ensure_loaded?(Bumblebee) do
       }
     end
 
-    # The parameters' tensors, each once (a shared tied head counts once): `{bytes,
-    # packed layers, float tensors}`.
+    # `{bytes, packed kernels}`: the bytes of the parameters' tensors, each once (a
+    # shared tied head counts once), and the kernels that are quantized weights.
     def params_bytes(%{data: data}) do
       leaves =
         for {_layer, params} <- data, {_name, t} <- params, uniq: true do
@@ -560,7 +559,8 @@ for variant <- variants, r = by[variant], r != %{} do
       "#{label.(a)} / #{label.(b)}: #{Q.agreement(tokens.(variant, a), tokens.(variant, b))}"
     end
 
-  IO.puts("  #{variant}: #{Enum.join(firsts, "; ")}\n    #{Enum.join(pairs, "; ")}")
+  IO.puts("  #{variant}: #{Enum.join(firsts, "; ")}")
+  if pairs != [], do: IO.puts("    #{Enum.join(pairs, "; ")}")
 end
 
 IO.puts("")
