@@ -48,32 +48,10 @@
 # `bin/emily-run bench/models.exs`. Without Bumblebee, only the Python sides run, beside
 # Emily's hand-built Qwen3 decode step of bench/gpu/decode.exs.
 Code.require_file("support/bench.exs", __DIR__)
+Code.require_file("support/decode.exs", __DIR__)
 
 defmodule Bench.Models do
   @moduledoc false
-
-  def option(argv, name, default) do
-    Enum.find_value(argv, default, fn arg ->
-      case String.split(arg, "=", parts: 2) do
-        ["--" <> ^name, value] -> value
-        _ -> nil
-      end
-    end)
-  end
-
-  def load_average,
-    do: File.read!("/proc/loadavg") |> String.split() |> Enum.take(3) |> Enum.join(" ")
-
-  # Resets the process's peak RSS (VmHWM) to its current RSS.
-  def reset_rss_peak, do: File.write("/proc/self/clear_refs", "5")
-
-  def rss_peak_mb, do: status_mb("VmHWM")
-  def rss_mb, do: status_mb("VmRSS")
-
-  defp status_mb(field) do
-    [_, kb] = Regex.run(~r/#{field}:\s+(\d+) kB/, File.read!("/proc/self/status"))
-    String.to_integer(kb) / 1024
-  end
 
   def python(args, env \\ []), do: Bench.python(Path.join(__DIR__, "models.py"), args, env)
 
@@ -94,126 +72,18 @@ defmodule Bench.Models do
     per_layer = h * nq * d + 2 * h * nkv * d + nq * d * h + 3 * h * f + 2 * h + 2 * d
     (layers * per_layer + h + vocab * h) * bytes_per
   end
-
-  def f(nil, _), do: "—"
-  def f(x, decimals), do: :erlang.float_to_binary(x * 1.0, decimals: decimals)
-
-  def ratio(a, b) when is_number(a) and is_number(b) and b != 0, do: f(a / b, 2)
-  def ratio(_, _), do: "—"
-
-  # Where two token lists first differ (nil when equal).
-  def parting(a, b) do
-    Enum.zip(a, b) |> Enum.find_index(fn {x, y} -> x != y end) ||
-      if length(a) == length(b), do: nil, else: min(length(a), length(b))
-  end
-
-  def agreement(name, a, b) do
-    case {a, b} do
-      {nil, _} -> "#{name}: —"
-      {_, nil} -> "#{name}: —"
-      _ -> "#{name}: " <> agreement_text(parting(a, b), length(a))
-    end
-  end
-
-  defp agreement_text(nil, n), do: "all #{n} equal"
-  defp agreement_text(i, n), do: "first #{i} of #{n} equal, part at token #{i + 1}"
-
-  def read_ids(path),
-    do: path |> File.read!() |> String.split() |> Enum.map(&String.to_integer/1)
 end
 
 if Code.ensure_loaded?(Bumblebee) do
   defmodule Bench.Models.Emily do
     @moduledoc false
     alias Bench.Models, as: M
-
-    # A loop pass's program calls (queued or evaluated) and condition reads, timed by
-    # call tracing: the call messages carry arities only (no tensors), so the trace
-    # holds no arrays.
-    @traced [{Emily.Program, :eval, 3}, {Emily.Program, :run, 3}, {Emily, :to_list, 1}]
-
-    def traced(fun) do
-      me = self()
-      tracer = spawn(fn -> collect(me, []) end)
-      for mfa <- @traced, do: :erlang.trace_pattern(mfa, true, [:global])
-      :erlang.trace(:all, true, [:call, :arity, :monotonic_timestamp, {:tracer, tracer}])
-      t0 = System.monotonic_time()
-      result = fun.()
-      t1 = System.monotonic_time()
-      :erlang.trace(:all, false, [:call])
-      for mfa <- @traced, do: :erlang.trace_pattern(mfa, false, [:global])
-      send(tracer, :done)
-
-      events =
-        receive do
-          {:events, events} -> events
-        end
-
-      {result, t0, t1, events}
-    end
-
-    defp collect(parent, acc) do
-      receive do
-        {:trace_ts, _pid, :call, {m, f, _a}, ts} ->
-          collect(parent, [{{m, f}, ts} | acc])
-
-        :done ->
-          # (Messages the VM sent before the trace stopped are already in the mailbox.)
-          send(parent, {:events, drain(acc) |> Enum.reverse()})
-      end
-    end
-
-    defp drain(acc) do
-      receive do
-        {:trace_ts, _pid, :call, {m, f, _a}, ts} -> drain([{{m, f}, ts} | acc])
-      after
-        0 -> acc
-      end
-    end
-
-    @doc """
-    The per-token breakdown of a traced generation: each pass of the loop is a program
-    call (`Emily.Program.run/3`, queued, where the loop overlaps; else
-    `Emily.Program.eval/3`) and a read of a condition. Returns the prefill (from the call
-    to the first condition read), the period between condition reads (a token's time),
-    and the time from a pass's program call to the next read, in ms (medians): where
-    the loop overlaps, the host's cost of building and queueing a pass, which the
-    device's work on the pass before hides while it is the shorter; else the pass's
-    whole evaluation.
-    """
-    def breakdown(t0, t1, events) do
-      ms = fn native -> System.convert_time_unit(native, :native, :microsecond) / 1000 end
-      reads = for {{Emily, :to_list}, ts} <- events, do: ts
-      calls = for {{Emily.Program, f}, ts} <- events, f in [:run, :eval], do: {f, ts}
-      queued = Enum.count(calls, &(elem(&1, 0) == :run))
-      first_read = hd(reads)
-
-      to_read =
-        for [prev, read] <- Enum.chunk_every(reads, 2, 1, :discard) do
-          {_, start} =
-            calls |> Enum.filter(&(elem(&1, 1) > prev and elem(&1, 1) < read)) |> List.last()
-
-          ms.(read - start)
-        end
-
-      periods = for [a, b] <- Enum.chunk_every(reads, 2, 1, :discard), do: ms.(b - a)
-
-      %{
-        prefill_ms: ms.(first_read - t0),
-        passes: length(periods),
-        calls: length(calls),
-        overlapped: queued > 0,
-        pass_ms: Bench.median(periods),
-        call_to_read_ms: Bench.median(to_read),
-        after_ms: ms.(t1 - List.last(reads)),
-        total_ms: ms.(t1 - t0)
-      }
-    end
+    alias Bench.Decode, as: D
 
     def generate(dir, type, prompt, new, defn_options) do
       Bench.isolated(fn ->
         Nx.default_backend(Emily.Backend)
-        M.reset_rss_peak()
+        D.reset_rss_peak()
         Emily.Memory.reset_peak()
 
         {load_us, {:ok, info}} =
@@ -221,7 +91,7 @@ if Code.ensure_loaded?(Bumblebee) do
             Bumblebee.load_model({:local, dir}, type: type, backend: Emily.Backend)
           end)
 
-        rss_loaded = M.rss_peak_mb()
+        rss_loaded = D.rss_peak_mb()
         {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, dir})
         # The Python sides are given the prompt's bytes as its ids.
         tokens = Bumblebee.apply_tokenizer(tokenizer, prompt)["input_ids"] |> Nx.to_flat_list()
@@ -254,24 +124,18 @@ if Code.ensure_loaded?(Bumblebee) do
         _ = info
         :erlang.garbage_collect()
 
-        rss_started = M.rss_mb()
+        rss_started = D.rss_mb()
         Emily.Memory.reset_peak()
         {first_us, first_ids} = :timer.tc(fn -> Nx.Serving.batched_run(name, prompt) end)
-        {rss_first, rss_first_peak} = {M.rss_mb(), M.rss_peak_mb()}
+        {rss_first, rss_first_peak} = {D.rss_mb(), D.rss_peak_mb()}
         first_mlx_peak = Emily.Memory.stats().peak
         Emily.Memory.reset_peak()
-        {ids, t0, t1, events} = traced(fn -> Nx.Serving.batched_run(name, prompt) end)
-        b = breakdown(t0, t1, events)
+        {ids, t0, t1, events} = D.traced(fn -> Nx.Serving.batched_run(name, prompt) end)
+        b = D.breakdown(t0, t1, events)
         mlx = Emily.Memory.stats()
-        {rss_timed, rss} = {M.rss_mb(), M.rss_peak_mb()}
+        {rss_timed, rss} = {D.rss_mb(), D.rss_peak_mb()}
 
-        Process.unlink(pid)
-        ref = Process.monitor(pid)
-        Process.exit(pid, :shutdown)
-
-        receive do
-          {:DOWN, ^ref, _, _, _} -> :ok
-        end
+        D.stop(pid)
 
         {ids_tokens, ^new} = {ids, length(ids)}
 
@@ -285,11 +149,11 @@ if Code.ensure_loaded?(Bumblebee) do
           total_s: b.total_ms / 1000,
           rss_loaded_mb: rss_loaded,
           rss_points:
-            "RSS #{M.f(rss_started, 0)} MB with the serving started, " <>
-              "#{M.f(rss_first, 0)} MB after the first call (peak #{M.f(rss_first_peak, 0)}; " <>
-              "MLX peak #{M.f(first_mlx_peak / 2 ** 20, 0)} MB), " <>
-              "#{M.f(rss_timed, 0)} MB after the timed one; MLX active #{M.f(mlx.active / 2 ** 20, 0)} MB, " <>
-              "the VM's own memory #{M.f(:erlang.memory(:total) / 2 ** 20, 0)} MB",
+            "RSS #{D.f(rss_started, 0)} MB with the serving started, " <>
+              "#{D.f(rss_first, 0)} MB after the first call (peak #{D.f(rss_first_peak, 0)}; " <>
+              "MLX peak #{D.f(first_mlx_peak / 2 ** 20, 0)} MB), " <>
+              "#{D.f(rss_timed, 0)} MB after the timed one; MLX active #{D.f(mlx.active / 2 ** 20, 0)} MB, " <>
+              "the VM's own memory #{D.f(:erlang.memory(:total) / 2 ** 20, 0)} MB",
           rss_peak_mb: rss,
           mlx_peak_mb: mlx.peak / 2 ** 20,
           breakdown: b
@@ -338,36 +202,40 @@ if Code.ensure_loaded?(Bumblebee) do
 end
 
 alias Bench.Models, as: M
+alias Bench.Decode, as: D
 
 argv = System.argv()
 bumblebee? = Code.ensure_loaded?(Bumblebee)
 cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
-dir = M.option(argv, "dir", Path.join(cache, "bench-models"))
-only = M.option(argv, "only", "qwen,bert") |> String.split(",")
-types = M.option(argv, "types", "f32,bf16") |> String.split(",") |> Enum.map(&String.to_atom/1)
-new = M.option(argv, "new", "64") |> String.to_integer()
-pairs = M.option(argv, "pairs", "5") |> String.to_integer()
+dir = D.option(argv, "dir", Path.join(cache, "bench-models"))
+only = D.option(argv, "only", "qwen,bert") |> String.split(",")
+types = D.option(argv, "types", "f32,bf16") |> String.split(",") |> Enum.map(&String.to_atom/1)
+new = D.option(argv, "new", "64") |> String.to_integer()
+pairs = D.option(argv, "pairs", "5") |> String.to_integer()
 # Emily.Compiler's options for the generation serving, e.g. --compile=true --overlap=false.
 defn_options =
   for name <- [:compile, :overlap, :fuse],
-      value = M.option(argv, "#{name}", nil),
+      value = D.option(argv, "#{name}", nil),
       do: {name, value == "true"}
 
-for m <- ["qwen3-f32", "qwen3-bf16", "bert-f32"],
-    not File.exists?(Path.join([dir, m, "config.json"])) do
+needed =
+  if("qwen" in only, do: Enum.map(types, &"qwen3-#{&1}"), else: []) ++
+    if "bert" in only, do: ["bert-f32"], else: []
+
+for m <- needed, not File.exists?(Path.join([dir, m, "config.json"])) do
   raise "#{Path.join(dir, m)} is missing: run `python3 bench/make_models.py #{dir}` first"
 end
 
 IO.puts("""
 bench/models.exs #{Enum.join(argv, " ")}
-MLX #{Emily.mlx_version()} on #{Emily.default_device()}#{if bumblebee?, do: "; Nx #{Application.spec(:nx, :vsn)}, Bumblebee #{Application.spec(:bumblebee, :vsn)}", else: "; no Bumblebee"}; #{:erlang.system_info(:logical_processors_available)} logical CPUs; load average #{M.load_average()}
+MLX #{Emily.mlx_version()} on #{Emily.default_device()}#{if bumblebee?, do: "; Nx #{Application.spec(:nx, :vsn)}, Bumblebee #{Application.spec(:bumblebee, :vsn)}", else: "; no Bumblebee"}; #{:erlang.system_info(:logical_processors_available)} logical CPUs; load average #{D.load_average()}
 """)
 
 bw = M.python(["bandwidth"])
 
 IO.puts(
-  "Memory bandwidth: copy #{M.f(bw["copy_gbs"], 1)} GB/s (read + written, numpy), " <>
-    "read #{M.f(bw["read_gbs"], 1)} GB/s (sum, PyTorch)\n"
+  "Memory bandwidth: copy #{D.f(bw["copy_gbs"], 1)} GB/s (read + written, numpy), " <>
+    "read #{D.f(bw["read_gbs"], 1)} GB/s (sum, PyTorch)\n"
 )
 
 # A 128-character ASCII prompt: 128 tokens.
@@ -385,13 +253,13 @@ qwen =
   if "qwen" in only do
     for {type, i} <- Enum.with_index(types) do
       ckpt = Path.join(dir, "qwen3-#{type}")
-      IO.puts("Qwen3 #{type} (#{ckpt}), load average #{M.load_average()}")
+      IO.puts("Qwen3 #{type} (#{ckpt}), load average #{D.load_average()}")
 
       python_side = fn impl ->
         env = if impl == "mlx", do: [{"LD_PRELOAD", "libopenblas.so.0"}], else: []
         device = if gpu?, do: if(impl == "mlx", do: "gpu", else: "cuda"), else: "cpu"
         r = M.python_maybe(["generate", impl, ckpt, ids_file, "#{new}", device], env)
-        r && Map.put(r, :tokens, M.read_ids(ids_file <> ".out"))
+        r && Map.put(r, :tokens, D.read_ids(ids_file <> ".out"))
       end
 
       emily_side = fn ->
@@ -418,13 +286,13 @@ File.rm(ids_file <> ".out")
 
 bert =
   if "bert" in only and bumblebee? do
-    IO.puts("BERT, load average #{M.load_average()}")
+    IO.puts("BERT, load average #{D.load_average()}")
     Bench.Models.Emily.bert(Path.join(dir, "bert-f32"), [1, 8], pairs, gpu?)
   else
     []
   end
 
-IO.puts("\nload average at the end #{M.load_average()}\n")
+IO.puts("\nload average at the end #{D.load_average()}\n")
 
 if qwen != [] do
   IO.puts("""
@@ -442,11 +310,11 @@ if qwen != [] do
     for {side, label} <- [emily: "Bumblebee on Emily", mlx: "mlx-lm", torch: "transformers"],
         x = r[side] do
       IO.puts(
-        "| #{type} | #{label} | #{M.f(x[:prefill_ms] || x["prefill_ms"], 0)} | " <>
-          "#{M.f(x[:decode_tok_s] || x["decode_tok_s"], 2)} | #{M.f(x[:rss_peak_mb] || x["rss_peak_mb"], 0)} | " <>
-          "#{M.f(x[:mlx_peak_mb] || x["mlx_peak_mb"], 0)} | " <>
-          "#{M.ratio(r[:emily][:decode_tok_s], x[:decode_tok_s] || x["decode_tok_s"])} | " <>
-          "#{M.f(bound, 2)} tok/s (#{M.f(bytes / 1.0e9, 2)} GB/token) |"
+        "| #{type} | #{label} | #{D.f(x[:prefill_ms] || x["prefill_ms"], 0)} | " <>
+          "#{D.f(x[:decode_tok_s] || x["decode_tok_s"], 2)} | #{D.f(x[:rss_peak_mb] || x["rss_peak_mb"], 0)} | " <>
+          "#{D.f(x[:mlx_peak_mb] || x["mlx_peak_mb"], 0)} | " <>
+          "#{D.ratio(r[:emily][:decode_tok_s], x[:decode_tok_s] || x["decode_tok_s"])} | " <>
+          "#{D.f(bound, 2)} tok/s (#{D.f(bytes / 1.0e9, 2)} GB/token) |"
       )
     end
   end
@@ -461,9 +329,9 @@ if qwen != [] do
       "#{type} greedy ids: " <>
         Enum.join(
           [
-            M.agreement("Emily / mlx-lm", tok.(:emily), tok.(:mlx)),
-            M.agreement("Emily / transformers", tok.(:emily), tok.(:torch)),
-            M.agreement("mlx-lm / transformers", tok.(:mlx), tok.(:torch))
+            "Emily / mlx-lm: #{D.agreement(tok.(:emily), tok.(:mlx))}",
+            "Emily / transformers: #{D.agreement(tok.(:emily), tok.(:torch))}",
+            "mlx-lm / transformers: #{D.agreement(tok.(:mlx), tok.(:torch))}"
           ],
           "; "
         )
@@ -473,9 +341,9 @@ if qwen != [] do
       b = e.breakdown
 
       IO.puts("""
-        Emily #{type}: load #{M.f(e.load_s, 1)} s (peak RSS after it #{M.f(e.rss_loaded_mb, 0)} MB); first call (graph lowered) #{M.f(e.first_call_s, 1)} s, same ids: #{e.first_call_tokens_equal}; timed call #{M.f(e.total_s, 1)} s
+        Emily #{type}: load #{D.f(e.load_s, 1)} s (peak RSS after it #{D.f(e.rss_loaded_mb, 0)} MB); first call (graph lowered) #{D.f(e.first_call_s, 1)} s, same ids: #{e.first_call_tokens_equal}; timed call #{D.f(e.total_s, 1)} s
         #{e.rss_points}
-        per token: #{b.passes} loop passes, #{b.calls} program calls in all (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{M.f(b.pass_ms, 1)} ms, from its program call to the next read #{M.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{M.f(b.after_ms, 1)} ms\
+        per token: #{b.passes} loop passes, #{b.calls} program calls in all (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{D.f(b.pass_ms, 1)} ms, from its program call to the next read #{D.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{D.f(b.after_ms, 1)} ms\
       """)
     end
   end
@@ -491,9 +359,9 @@ if bert != [] do
 
   for {b, r} <- bert do
     IO.puts(
-      "| #{b} | #{M.f(r.emily / 1000, 1)} ms | #{M.f(r.python / 1000, 1)} ms | " <>
-        "**#{M.f(r.ratio, 2)}** (#{M.f(r.q1, 2)}-#{M.f(r.q3, 2)}) | " <>
-        "#{M.f(b / (r.emily / 1.0e6), 1)} / #{M.f(b / (r.python / 1.0e6), 1)} |"
+      "| #{b} | #{D.f(r.emily / 1000, 1)} ms | #{D.f(r.python / 1000, 1)} ms | " <>
+        "**#{D.f(r.ratio, 2)}** (#{D.f(r.q1, 2)}-#{D.f(r.q3, 2)}) | " <>
+        "#{D.f(b / (r.emily / 1.0e6), 1)} / #{D.f(b / (r.python / 1.0e6), 1)} |"
     )
   end
 end
@@ -524,6 +392,6 @@ if not bumblebee? do
   IO.puts("""
 
   No Bumblebee here: Emily's side is bench/gpu/decode.exs's hand-built Qwen3 bf16 decode step
-  (a 512-long KV window): op by op #{M.f(d.op_by_op * 1.0e3, 2)} ms (#{M.f(1 / d.op_by_op, 1)} tok/s), as one Emily.Program #{M.f(d.program_eval * 1.0e3, 2)} ms (#{M.f(1 / d.program_eval, 1)} tok/s), compiled #{M.f(d.compiled * 1.0e3, 2)} ms
+  (a 512-long KV window): op by op #{D.f(d.op_by_op * 1.0e3, 2)} ms (#{D.f(1 / d.op_by_op, 1)} tok/s), as one Emily.Program #{D.f(d.program_eval * 1.0e3, 2)} ms (#{D.f(1 / d.program_eval, 1)} tok/s), compiled #{D.f(d.compiled * 1.0e3, 2)} ms
   """)
 end

@@ -53,64 +53,17 @@
 # timed generation (reset through /proc/self/clear_refs before it, on both sides), and
 # from the process's start to the end of its loading (load RSS).
 Code.require_file("support/bench.exs", __DIR__)
+Code.require_file("support/decode.exs", __DIR__)
 
 defmodule Bench.Quantized do
   @moduledoc false
-
-  def option(argv, name, default) do
-    Enum.find_value(argv, default, fn arg ->
-      case String.split(arg, "=", parts: 2) do
-        ["--" <> ^name, value] -> value
-        _ -> nil
-      end
-    end)
-  end
-
-  def list_option(argv, name, default),
-    do: argv |> option(name, default) |> String.split(",", trim: true)
-
-  def load_average,
-    do: File.read!("/proc/loadavg") |> String.split() |> Enum.take(3) |> Enum.join(" ")
-
-  # Resets the process's peak RSS (VmHWM) to its current RSS.
-  def reset_rss_peak, do: File.write("/proc/self/clear_refs", "5")
-  def rss_peak_mb, do: status_mb("VmHWM")
-
-  defp status_mb(field) do
-    [_, kb] = Regex.run(~r/#{field}:\s+(\d+) kB/, File.read!("/proc/self/status"))
-    String.to_integer(kb) / 1024
-  end
 
   def bits("bf16"), do: 16
   def bits("q8"), do: 8
   def bits("q4"), do: 4
 
-  def f(nil, _), do: "—"
-  def f(x, decimals), do: :erlang.float_to_binary(x * 1.0, decimals: decimals)
-
-  def ratio(a, b) when is_number(a) and is_number(b) and b != 0, do: f(a / b, 2)
-  def ratio(_, _), do: "—"
-
   def mb(nil), do: nil
   def mb(bytes), do: bytes / 2 ** 20
-
-  # Where two token lists first differ (nil when equal).
-  def parting(a, b) do
-    Enum.zip(a, b) |> Enum.find_index(fn {x, y} -> x != y end) ||
-      if length(a) == length(b), do: nil, else: min(length(a), length(b))
-  end
-
-  def agreement(a, b) when is_list(a) and is_list(b) do
-    case parting(a, b) do
-      nil -> "all #{length(a)} equal"
-      i -> "first #{i} of #{length(a)} equal, part at token #{i + 1}"
-    end
-  end
-
-  def agreement(_, _), do: "—"
-
-  def read_ids(path),
-    do: path |> File.read!() |> String.split() |> Enum.map(&String.to_integer/1)
 
   def python(args, env) do
     Bench.python(Path.join(__DIR__, "quantized.py"), args, env)
@@ -125,75 +78,7 @@ if Code.ensure_loaded?(Bumblebee) do
   defmodule Bench.Quantized.Emily do
     @moduledoc false
     alias Bench.Quantized, as: Q
-
-    # A loop pass's program calls (queued or evaluated) and condition reads, timed by
-    # call tracing (arities only: the trace holds no tensors). As bench/models.exs.
-    @traced [{Emily.Program, :eval, 3}, {Emily.Program, :run, 3}, {Emily, :to_list, 1}]
-
-    def traced(fun) do
-      me = self()
-      tracer = spawn(fn -> collect(me, []) end)
-      for mfa <- @traced, do: :erlang.trace_pattern(mfa, true, [:global])
-      :erlang.trace(:all, true, [:call, :arity, :monotonic_timestamp, {:tracer, tracer}])
-      t0 = System.monotonic_time()
-      result = fun.()
-      t1 = System.monotonic_time()
-      :erlang.trace(:all, false, [:call])
-      for mfa <- @traced, do: :erlang.trace_pattern(mfa, false, [:global])
-      send(tracer, :done)
-
-      receive do
-        {:events, events} -> {result, t0, t1, events}
-      end
-    end
-
-    defp collect(parent, acc) do
-      receive do
-        {:trace_ts, _pid, :call, {m, f, _a}, ts} -> collect(parent, [{{m, f}, ts} | acc])
-        :done -> send(parent, {:events, drain(acc) |> Enum.reverse()})
-      end
-    end
-
-    defp drain(acc) do
-      receive do
-        {:trace_ts, _pid, :call, {m, f, _a}, ts} -> drain([{{m, f}, ts} | acc])
-      after
-        0 -> acc
-      end
-    end
-
-    # Each pass of the loop is a program call (`Emily.Program.run/3`, queued before the
-    # last pass's condition is read, where the loop overlaps; else `eval/3`) and a read
-    # of a condition. The prefill (the call to the first read), a pass's period (between
-    # reads: a token's time) and the time from a pass's program call to the next read
-    # (the host's building and queueing, where the loop overlaps), in ms (medians).
-    def breakdown(t0, t1, events) do
-      ms = fn native -> System.convert_time_unit(native, :native, :microsecond) / 1000 end
-      reads = for {{Emily, :to_list}, ts} <- events, do: ts
-      calls = for {{Emily.Program, f}, ts} <- events, f in [:run, :eval], do: {f, ts}
-      pairs = Enum.chunk_every(reads, 2, 1, :discard)
-
-      to_read =
-        for [prev, read] <- pairs do
-          {_, start} =
-            calls |> Enum.filter(&(elem(&1, 1) > prev and elem(&1, 1) < read)) |> List.last()
-
-          ms.(read - start)
-        end
-
-      periods = for [a, b] <- pairs, do: ms.(b - a)
-
-      %{
-        prefill_ms: ms.(hd(reads) - t0),
-        passes: length(periods),
-        calls: length(calls),
-        overlapped: Enum.any?(calls, &(elem(&1, 0) == :run)),
-        pass_ms: if(periods != [], do: Bench.median(periods)),
-        call_to_read_ms: if(to_read != [], do: Bench.median(to_read)),
-        after_ms: ms.(t1 - List.last(reads)),
-        total_ms: ms.(t1 - t0)
-      }
-    end
+    alias Bench.Decode, as: D
 
     # `{bytes, packed kernels}`: the bytes of the parameters' tensors, each once (a
     # shared tied head counts once), and the kernels that are quantized weights.
@@ -239,7 +124,7 @@ if Code.ensure_loaded?(Bumblebee) do
     def generate(dir, bits, mode, prompt, new, tied) do
       Bench.isolated(fn ->
         Nx.default_backend(Emily.Backend)
-        Q.reset_rss_peak()
+        D.reset_rss_peak()
         Emily.Memory.reset_peak()
         type = if mode == :dequantized_f32, do: :f32, else: :bf16
 
@@ -269,7 +154,7 @@ if Code.ensure_loaded?(Bumblebee) do
         :erlang.garbage_collect()
         {weight_bytes, packed_layers} = params_bytes(info.params)
         mlx_loaded = Emily.Memory.stats()
-        rss_load = Q.rss_peak_mb()
+        rss_load = D.rss_peak_mb()
 
         {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, dir})
         tokens = Bumblebee.apply_tokenizer(tokenizer, prompt)["input_ids"] |> Nx.to_flat_list()
@@ -305,20 +190,14 @@ if Code.ensure_loaded?(Bumblebee) do
         Emily.Memory.reset_peak()
         {first_us, first_ids} = :timer.tc(fn -> Nx.Serving.batched_run(name, prompt) end)
         first_mlx_peak = Emily.Memory.stats().peak
-        Q.reset_rss_peak()
+        D.reset_rss_peak()
         Emily.Memory.reset_peak()
-        {ids, t0, t1, events} = traced(fn -> Nx.Serving.batched_run(name, prompt) end)
-        b = breakdown(t0, t1, events)
+        {ids, t0, t1, events} = D.traced(fn -> Nx.Serving.batched_run(name, prompt) end)
+        b = D.breakdown(t0, t1, events)
         mlx = Emily.Memory.stats()
-        rss = Q.rss_peak_mb()
+        rss = D.rss_peak_mb()
 
-        Process.unlink(pid)
-        ref = Process.monitor(pid)
-        Process.exit(pid, :shutdown)
-
-        receive do
-          {:DOWN, ^ref, _, _, _} -> :ok
-        end
+        D.stop(pid)
 
         ^new = length(ids)
 
@@ -347,15 +226,16 @@ if Code.ensure_loaded?(Bumblebee) do
 end
 
 alias Bench.Quantized, as: Q
+alias Bench.Decode, as: D
 
 argv = System.argv()
 bumblebee? = Code.ensure_loaded?(Bumblebee)
 gpu? = Emily.default_device() == :gpu
 cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
-dir = Q.option(argv, "dir", Path.join(cache, "bench-models"))
+dir = D.option(argv, "dir", Path.join(cache, "bench-models"))
 ckpt = Path.join(dir, "qwen3-bf16")
-new = Q.option(argv, "new", "64") |> String.to_integer()
-tied = Q.option(argv, "tied", "shared")
+new = D.option(argv, "new", "64") |> String.to_integer()
+tied = D.option(argv, "tied", "shared")
 true = tied in ["shared", "copy"]
 
 mode_names = %{
@@ -371,7 +251,7 @@ prompt =
 
 128 = byte_size(prompt)
 
-case Q.option(argv, "child", nil) do
+case D.option(argv, "child", nil) do
   nil ->
     :run
 
@@ -380,21 +260,21 @@ case Q.option(argv, "child", nil) do
     [bits, mode] = String.split(spec, ":")
     mode = String.to_existing_atom(mode)
     r = Bench.Quantized.Emily.generate(ckpt, String.to_integer(bits), mode, prompt, new, tied)
-    File.write!(Q.option(argv, "result", nil), :erlang.term_to_binary(r))
+    File.write!(D.option(argv, "result", nil), :erlang.term_to_binary(r))
     System.halt(0)
 end
 
-variants = Q.list_option(argv, "variants", "bf16,q8,q4")
+variants = D.list_option(argv, "variants", "bf16,q8,q4")
 true = Enum.all?(variants, &(&1 in ["bf16", "q8", "q4"]))
 
 modes =
-  Q.list_option(argv, "modes", if(gpu?, do: "packed", else: "packed,dequantized,dequantized-f32"))
+  D.list_option(argv, "modes", if(gpu?, do: "packed", else: "packed,dequantized,dequantized-f32"))
   |> Enum.map(&Map.fetch!(mode_names, &1))
 
-only = Q.list_option(argv, "only", "emily,mlx")
+only = D.list_option(argv, "only", "emily,mlx")
 
 isolate? =
-  Q.option(argv, "isolate", "true") == "true" and Code.ensure_loaded?(Mix.Project) and
+  D.option(argv, "isolate", "true") == "true" and Code.ensure_loaded?(Mix.Project) and
     System.find_executable("mix") != nil
 
 if not File.exists?(Path.join(ckpt, "config.json")),
@@ -402,7 +282,7 @@ if not File.exists?(Path.join(ckpt, "config.json")),
 
 IO.puts("""
 bench/quantized.exs #{Enum.join(argv, " ")}
-MLX #{Emily.mlx_version()} on #{Emily.default_device()}#{if bumblebee?, do: "; Nx #{Application.spec(:nx, :vsn)}, Bumblebee #{Application.spec(:bumblebee, :vsn)}", else: "; no Bumblebee: mlx-lm's side only"}; #{:erlang.system_info(:logical_processors_available)} logical CPUs; load average #{Q.load_average()}
+MLX #{Emily.mlx_version()} on #{Emily.default_device()}#{if bumblebee?, do: "; Nx #{Application.spec(:nx, :vsn)}, Bumblebee #{Application.spec(:bumblebee, :vsn)}", else: "; no Bumblebee: mlx-lm's side only"}; #{:erlang.system_info(:logical_processors_available)} logical CPUs; load average #{D.load_average()}
 """)
 
 label = fn
@@ -419,7 +299,7 @@ ids_file =
 File.write!(ids_file, prompt |> :binary.bin_to_list() |> Enum.join(" "))
 
 emily_side = fn bits, mode ->
-  IO.puts("  #{label.({:emily, mode})}, load average #{Q.load_average()}")
+  IO.puts("  #{label.({:emily, mode})}, load average #{D.load_average()}")
 
   if isolate? do
     result = ids_file <> ".emily"
@@ -440,17 +320,17 @@ emily_side = fn bits, mode ->
 end
 
 mlx_side = fn bits ->
-  IO.puts("  mlx-lm, load average #{Q.load_average()}")
+  IO.puts("  mlx-lm, load average #{D.load_average()}")
   device = if gpu?, do: "gpu", else: "cpu"
   env = [{"LD_PRELOAD", "libopenblas.so.0"}]
   r = Q.python(["generate", ckpt, ids_file, "#{new}", "#{bits}", device], env)
-  r && Map.put(r, :tokens, Q.read_ids(ids_file <> ".out"))
+  r && Map.put(r, :tokens, D.read_ids(ids_file <> ".out"))
 end
 
 results =
   for {variant, i} <- Enum.with_index(variants) do
     bits = Q.bits(variant)
-    IO.puts("#{variant} (#{ckpt}), load average #{Q.load_average()}")
+    IO.puts("#{variant} (#{ckpt}), load average #{D.load_average()}")
     variant_modes = if bits == 16, do: [:float], else: modes
 
     emily =
@@ -467,7 +347,7 @@ results =
 File.rm(ids_file)
 File.rm(ids_file <> ".out")
 
-IO.puts("\nload average at the end #{Q.load_average()}\n")
+IO.puts("\nload average at the end #{D.load_average()}\n")
 
 get = fn r, key -> r && (r[key] || r[Atom.to_string(key)]) end
 by = Map.new(results)
@@ -491,14 +371,14 @@ for {variant, r} <- results, side <- sides.(r) do
   base = if emily?, do: emily_bf16, else: mlx_bf16
 
   IO.puts(
-    "| #{variant} | #{label.(side)} | #{Q.f(Q.mb(get.(x, :weight_bytes)), 0)} | " <>
-      "#{Q.ratio(get.(x, :weight_bytes), base)} | #{Q.f(get.(x, :prefill_ms), 0)} | " <>
-      "#{Q.f(get.(x, :decode_tok_s), 2)} | #{Q.f(get.(x, :mlx_peak_mb), 0)} | " <>
-      "#{Q.f(get.(x, :rss_peak_mb), 0)} | #{Q.f(get.(x, :rss_load_mb), 0)} | " <>
+    "| #{variant} | #{label.(side)} | #{D.f(Q.mb(get.(x, :weight_bytes)), 0)} | " <>
+      "#{D.ratio(get.(x, :weight_bytes), base)} | #{D.f(get.(x, :prefill_ms), 0)} | " <>
+      "#{D.f(get.(x, :decode_tok_s), 2)} | #{D.f(get.(x, :mlx_peak_mb), 0)} | " <>
+      "#{D.f(get.(x, :rss_peak_mb), 0)} | #{D.f(get.(x, :rss_load_mb), 0)} | " <>
       if(emily?,
         do:
-          "#{Q.ratio(get.(x, :decode_tok_s), get.(m, :decode_tok_s))} | " <>
-            "#{Q.ratio(get.(x, :prefill_ms), get.(m, :prefill_ms))} |",
+          "#{D.ratio(get.(x, :decode_tok_s), get.(m, :decode_tok_s))} | " <>
+            "#{D.ratio(get.(x, :prefill_ms), get.(m, :prefill_ms))} |",
         else: "— | — |"
       )
   )
@@ -519,13 +399,13 @@ IO.puts("\nTargets:")
 
 if by["q4"] do
   IO.puts(
-    "  q4 weights / bf16: Emily #{Q.ratio(get.(by["q4"][{:emily, :packed}], :weight_bytes), emily_bf16)} " <>
-      "(target <= 0.30), mlx-lm #{Q.ratio(get.(by["q4"][:mlx], :weight_bytes), mlx_bf16)}"
+    "  q4 weights / bf16: Emily #{D.ratio(get.(by["q4"][{:emily, :packed}], :weight_bytes), emily_bf16)} " <>
+      "(target <= 0.30), mlx-lm #{D.ratio(get.(by["q4"][:mlx], :weight_bytes), mlx_bf16)}"
   )
 
   IO.puts(
     "  q4 decode, Emily packed / mlx-lm: " <>
-      "#{Q.ratio(tok_s.("q4", {:emily, :packed}), tok_s.("q4", :mlx))} (target >= 1.0 on a GPU)"
+      "#{D.ratio(tok_s.("q4", {:emily, :packed}), tok_s.("q4", :mlx))} (target >= 1.0 on a GPU)"
   )
 end
 
@@ -535,8 +415,8 @@ if not gpu? do
 
     IO.puts(
       "  #{variant} decode, the faster Emily mode (#{best_label}) over mlx-lm's fastest variant " <>
-        "(#{mlx_best_variant}, #{Q.f(mlx_best, 2)} tok/s): #{Q.ratio(best, mlx_best)} " <>
-        "(target >= 1.0 on the CPU); over mlx-lm's #{variant}: #{Q.ratio(best, tok_s.(variant, :mlx))}"
+        "(#{mlx_best_variant}, #{D.f(mlx_best, 2)} tok/s): #{D.ratio(best, mlx_best)} " <>
+        "(target >= 1.0 on the CPU); over mlx-lm's #{variant}: #{D.ratio(best, tok_s.(variant, :mlx))}"
     )
   end
 end
@@ -556,7 +436,7 @@ for variant <- variants, r = by[variant], r != %{} do
 
   pairs =
     for {a, b} <- with_mlx ++ among do
-      "#{label.(a)} / #{label.(b)}: #{Q.agreement(tokens.(variant, a), tokens.(variant, b))}"
+      "#{label.(a)} / #{label.(b)}: #{D.agreement(tokens.(variant, a), tokens.(variant, b))}"
     end
 
   IO.puts("  #{variant}: #{Enum.join(firsts, "; ")}")
@@ -570,16 +450,16 @@ for {variant, r} <- results, side <- sides.(r) do
 
   if side == :mlx do
     IO.puts(
-      "mlx-lm #{variant}: load and quantize #{Q.f(x["load_s"], 1)} s; " <>
-        "#{Q.f(x["quantized_layers"], 0)} layers quantized, #{Q.f(x["float_layers"], 0)} Linear/Embedding left float; " <>
-        "timed call #{Q.f(x["total_s"], 1)} s"
+      "mlx-lm #{variant}: load and quantize #{D.f(x["load_s"], 1)} s; " <>
+        "#{D.f(x["quantized_layers"], 0)} layers quantized, #{D.f(x["float_layers"], 0)} Linear/Embedding left float; " <>
+        "timed call #{D.f(x["total_s"], 1)} s"
     )
   else
     b = x.breakdown
 
     IO.puts("""
-    #{label.(side)} #{variant}: load #{Q.f(x.load_s, 1)} s (quantize and evaluate #{Q.f(x.quantize_s, 1)} s), #{x.packed_layers} packed kernels, MLX active after it #{Q.f(x.mlx_loaded_mb, 0)} MB (peak #{Q.f(x.mlx_load_peak_mb, 0)}); first call (graph lowered) #{Q.f(x.first_call_s, 1)} s, MLX peak #{Q.f(x.first_mlx_peak_mb, 0)} MB, same ids: #{x.first_call_tokens_equal}; timed call #{Q.f(x.total_s, 1)} s
-      per token: #{b.passes} loop passes, #{b.calls} program calls (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{Q.f(b.pass_ms, 1)} ms, from its program call to the next read #{Q.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{Q.f(b.after_ms, 1)} ms\
+    #{label.(side)} #{variant}: load #{D.f(x.load_s, 1)} s (quantize and evaluate #{D.f(x.quantize_s, 1)} s), #{x.packed_layers} packed kernels, MLX active after it #{D.f(x.mlx_loaded_mb, 0)} MB (peak #{D.f(x.mlx_load_peak_mb, 0)}); first call (graph lowered) #{D.f(x.first_call_s, 1)} s, MLX peak #{D.f(x.first_mlx_peak_mb, 0)} MB, same ids: #{x.first_call_tokens_equal}; timed call #{D.f(x.total_s, 1)} s
+      per token: #{b.passes} loop passes, #{b.calls} program calls (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{D.f(b.pass_ms, 1)} ms, from its program call to the next read #{D.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{D.f(b.after_ms, 1)} ms\
     """)
   end
 end
