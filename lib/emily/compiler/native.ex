@@ -214,6 +214,7 @@ if Code.ensure_loaded?(Nx) do
         instr_at: %{},
         const: MapSet.new(),
         values: %{},
+        rope_tables: %{},
         # The nodes Nx computes outside any conditional (Nx.Defn.Tree.scope_ids/1): a
         # host step among them runs before the conditionals that read it.
         root: Nx.Defn.Tree.scope_ids(List.to_tuple(walked))

@@ -415,9 +415,7 @@ if Code.ensure_loaded?(Nx) do
       {ts, st} = lower_node(sin, st)
 
       with true <- MapSet.member?(st.const, tc) and MapSet.member?(st.const, ts),
-           {cv, st} = constant_value(tc, st),
-           {sv, st} = constant_value(ts, st),
-           {:ok, freqs} <- rope_frequencies(cv, sv, d, st.device) do
+           {{:ok, freqs}, st} <- table_frequencies(tc, ts, d, st) do
         {xs, st} = lower_node(x, st)
         {ids, st} = operand(ids, {:s, 32}, st)
         {offsets, st} = emit(st, :reshape, [ids, {b}])
@@ -427,6 +425,21 @@ if Code.ensure_loaded?(Nx) do
         emit(st, :transpose, [y, [0, 2, 1, 3]])
       else
         _ -> nil
+      end
+    end
+
+    # rope_frequencies/4 of two constant tables, once per pair of slots: every layer's
+    # queries and keys share the same tables.
+    defp table_frequencies(tc, ts, d, st) do
+      case st.rope_tables do
+        %{{^tc, ^ts} => found} ->
+          {found, st}
+
+        tables ->
+          {cv, st} = constant_value(tc, st)
+          {sv, st} = constant_value(ts, st)
+          found = rope_frequencies(cv, sv, d, st.device)
+          {found, %{st | rope_tables: Map.put(tables, {tc, ts}, found)}}
       end
     end
 
