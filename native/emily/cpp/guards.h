@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "mlx/backend/metal/metal.h"
+#include "kernels.h"
 #include "mlx/mlx.h"
 
 namespace emily {
@@ -181,14 +182,14 @@ inline mlx::core::array flip_checked(const mlx::core::array& a, const std::vecto
 inline mlx::core::array sdpa_checked(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                                      float scale, const std::string& mask_mode,
                                      const std::optional<mlx::core::array>& mask,
-                                     const std::optional<mlx::core::array>& sinks, mlx::core::StreamOrDevice s) {
+                                     const std::optional<mlx::core::array>& sinks, const mlx::core::Stream& s) {
   namespace mx = mlx::core;
   if (mask_mode == "array" && !mask) throw std::invalid_argument("mask_mode \"array\" needs a mask");
   if (q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(1) == 0) {
     if (q.shape(1) != 0) throw std::invalid_argument("keys and values have no heads");
     return mx::zeros({q.shape(0), 0, q.shape(2), v.shape(3)}, q.dtype(), s);
   }
-  return mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask, sinks, false, s);
+  return emily::kernels::attention(q, k, v, scale, mask_mode, mask, sinks, s);
 }
 
 // LAPACK's Cholesky stops at the first pivot that is not positive and leaves the rest of

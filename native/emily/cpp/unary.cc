@@ -6,6 +6,8 @@
 #include <string>
 #include <utility>
 
+#include "kernels.h"
+
 namespace emily {
 using namespace mlx::core;
 
@@ -126,7 +128,7 @@ array expm1_any(const array& a, const Stream& s) {
 }
 
 array sigmoid_any(const array& a, const Stream& s) {
-  if (!is_complex(a)) return sigmoid(a, s);
+  if (!is_complex(a)) return kernels::sigmoid(a, s);
   return reciprocal(add(array(complex64_t(1, 0)), exp(negative(a, s), s), s), s);
 }
 

@@ -1,0 +1,26 @@
+// Emily's own CPU kernels for MLX ops whose x86-64 Linux build is slow (see kernels.cc).
+// Each computes exactly what the MLX op computes, bit for bit; where a kernel does not
+// apply (another device or dtype, a CPU without AVX2 and FMA) it is the MLX op itself.
+#pragma once
+
+#include <vector>
+
+#include "emily.h"
+
+namespace emily::kernels {
+
+// mx::exp, mx::erf and mx::sigmoid.
+array exp(const array& a, const Stream& s);
+array erf(const array& a, const Stream& s);
+array sigmoid(const array& a, const Stream& s);
+
+// mx::softmax.
+array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s);
+
+// mx::fast::scaled_dot_product_attention without sinks on a CPU stream, which MLX
+// computes as a composition of ops around a softmax: the same composition with `softmax`
+// above. Any other call is MLX's.
+array attention(const array& q, const array& k, const array& v, float scale, const std::string& mask_mode,
+                const std::optional<array>& mask, const std::optional<array>& sinks, const Stream& s);
+
+}  // namespace emily::kernels

@@ -1,0 +1,126 @@
+defmodule Emily.Native.KernelsTest do
+  use Emily.TestCase, async: true
+
+  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid and softmax on a CPU stream
+  # run Emily's vector kernels (cpp/kernels.cc), which compute MLX's own formulas eight
+  # lanes at a time and the last `rem(n, 8)` elements through MLX's scalar code. So a
+  # value's result must be the same bits whether it falls in a lane or in that tail.
+
+  # f32 bit patterns: a sweep of [-100, 100], the ranges' edges and IEEE's special values,
+  # and the floats around x = ln(2) / 2, where `x * log2(e)` comes within an ulp of one
+  # half (MLX rounds `floor(y + 0.5)` in double there).
+  defp inputs do
+    sweep = for i <- 0..4000, do: f32_bits(-100 + i * 0.05 + :math.sin(i) * 0.01)
+
+    edges =
+      Enum.map(
+        [0.0, 88.0, 88.00001, -88.0, -88.00001, 87.99, -87.99, 1.0e30, -1.0e30, 1.0e-40, 0.5],
+        &f32_bits/1
+      )
+
+    specials = [0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000001, 0x80000001]
+    half = f32_bits(:math.log(2) / 2)
+    around = for d <- -300..300, do: half + d
+
+    sweep ++ edges ++ specials ++ around
+  end
+
+  defp f32_bits(x) do
+    <<bits::unsigned-32>> = <<x::float-32>>
+    bits
+  end
+
+  defp tensor(bits) do
+    bin = for b <- bits, into: <<>>, do: <<b::unsigned-32-little>>
+    Emily.from_binary(bin, {length(bits)}, {:f, 32}, stream: cpu())
+  end
+
+  defp words(t), do: for(<<w::unsigned-32-little <- Emily.to_binary(t)>>, do: w)
+
+  # A result as its bit patterns, NaNs as one (MLX propagates the input's payload).
+  defp canonical(words) do
+    for w <- words do
+      nan? = Bitwise.band(w, 0x7F800000) == 0x7F800000 and Bitwise.band(w, 0x007FFFFF) != 0
+      if nan?, do: :nan, else: w
+    end
+  end
+
+  for {name, fun} <- [exp: :exp, erf: :erf, sigmoid: :sigmoid] do
+    test "#{name}: the vector lanes give MLX's scalar results, bit for bit" do
+      bits = inputs()
+      lanes = canonical(words(apply(N, unquote(fun), [cpu(), tensor(bits)])))
+
+      # Chunks of 7 never fill a lane: each is computed by MLX's scalar code.
+      scalar =
+        bits
+        |> Enum.chunk_every(7)
+        |> Enum.flat_map(&words(apply(N, unquote(fun), [cpu(), tensor(&1)])))
+        |> canonical()
+
+      mismatches =
+        for {{a, b}, i} <- Enum.with_index(Enum.zip(lanes, scalar)), a != b, do: {i, a, b}
+
+      assert mismatches == [], "first differences: #{inspect(Enum.take(mismatches, 5))}"
+      assert length(lanes) == length(bits)
+    end
+  end
+
+  test "strided and broadcast inputs give the values of their dense copies" do
+    x = N.reshape(cpu(), tensor(Enum.take(inputs(), 120)), {10, 12})
+    transposed = N.transpose(cpu(), x, [1, 0])
+    dense = tensor(words(transposed)) |> then(&N.reshape(cpu(), &1, {12, 10}))
+    row = N.slice(cpu(), x, [3, 0], [4, 12], [1, 1])
+    broadcast = N.broadcast_to(cpu(), row, {5, 12})
+
+    for fun <- [:exp, :erf, :sigmoid] do
+      assert canonical(words(apply(N, fun, [cpu(), transposed]))) ==
+               canonical(words(apply(N, fun, [cpu(), dense])))
+
+      one = canonical(words(apply(N, fun, [cpu(), row])))
+
+      assert canonical(words(apply(N, fun, [cpu(), broadcast]))) ==
+               List.flatten(List.duplicate(one, 5))
+    end
+  end
+
+  # MLX's softmax of one row: its maximum, exp of each difference, their sum in order in
+  # f32, the sum's reciprocal, each exp times it. The exps are Emily's (bit-exact, above);
+  # f64 arithmetic rounded to f32 is f32 arithmetic for one addition, product or quotient.
+  defp softmax_oracle(row_bits) do
+    row = Emily.to_list(tensor(row_bits))
+    max = Enum.max(row)
+    diffs = Enum.map(row, &f32(&1 - max))
+    exps = Emily.to_list(N.exp(cpu(), Emily.from_list(diffs, {:f, 32}, stream: cpu())))
+    sum = Enum.reduce(exps, 0.0, &f32(&2 + &1))
+    norm = f32(1 / sum)
+    Enum.map(exps, &f32(&1 * norm))
+  end
+
+  defp f32(x) do
+    <<y::float-32>> = <<x::float-32>>
+    y
+  end
+
+  test "softmax over the last axis: MLX's order of operations, to the bit" do
+    # Rows of 37: four full lanes of the max and the exps, and a tail of 5.
+    bits = Enum.take(inputs(), 3 * 37)
+    x = N.reshape(cpu(), tensor(bits), {3, 37})
+    out = Emily.to_list(N.softmax(cpu(), x, [1], true))
+    expect = bits |> Enum.chunk_every(37) |> Enum.flat_map(&softmax_oracle/1)
+    assert out == expect
+
+    # A transposed input is made row-contiguous first; the other axis is MLX's softmax.
+    xt = N.transpose(cpu(), N.reshape(cpu(), tensor(bits), {37, 3}), [1, 0])
+    dense = Emily.from_list(Emily.to_list(xt), {:f, 32}, shape: {3, 37}, stream: cpu())
+    assert l(N.softmax(cpu(), xt, [-1], false)) == l(N.softmax(cpu(), dense, [-1], false))
+    assert_close([Enum.sum(l(N.softmax(cpu(), xt, [0], true)))], [37.0])
+  end
+
+  test "softmax rows with NaN or all -inf are NaN, as MLX's" do
+    nan = 0x7FC00000
+    ninf = 0xFF800000
+    row = Enum.take(inputs(), 9)
+    x = N.reshape(cpu(), tensor([nan | tl(row)] ++ List.duplicate(ninf, 9)), {2, 9})
+    assert l(N.softmax(cpu(), x, [1], true)) == List.duplicate(:nan, 18)
+  end
+end
