@@ -115,6 +115,8 @@ if Code.ensure_loaded?(Bumblebee) do
         # The embeddings' norm, two per block, the masked LM head's.
         assert count(rewrites, :layer_norm) == 2 * spec.num_blocks + 2
         assert count(rewrites, :scaled_dot_product_attention) == spec.num_blocks
+        # Each block's feed-forward activation, and the LM head's.
+        assert count(rewrites, :gelu) == spec.num_blocks + 1
       end
 
       @tag type: type
@@ -124,6 +126,7 @@ if Code.ensure_loaded?(Bumblebee) do
         {spec, rewrites} = forward_both("vit", inputs, type, :logits)
         assert count(rewrites, :layer_norm) == 2 * spec.num_blocks + 1
         assert count(rewrites, :scaled_dot_product_attention) == spec.num_blocks
+        assert count(rewrites, :gelu) == spec.num_blocks
       end
 
       @tag type: type
@@ -143,6 +146,8 @@ if Code.ensure_loaded?(Bumblebee) do
         dec = spec.decoder_num_blocks
         assert count(rewrites, :layer_norm) == 2 * enc + 1 + 3 * dec + 1
         assert count(rewrites, :scaled_dot_product_attention) == enc + 2 * dec
+        # The encoder's two convolutions and each block's feed-forward activation.
+        assert count(rewrites, :gelu) == 2 + enc + dec
       end
     end
 

@@ -1,10 +1,11 @@
 defmodule Emily.Native.KernelsTest do
   use Emily.TestCase, async: true
 
-  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid and softmax on a CPU stream
-  # run Emily's vector kernels (cpp/kernels.cc), which compute MLX's own formulas eight
-  # lanes at a time and the last `rem(n, 8)` elements through MLX's scalar code. So a
-  # value's result must be the same bits whether it falls in a lane or in that tail.
+  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid, gelu_erf and softmax on a
+  # CPU stream run Emily's vector kernels (cpp/kernels.cc), which compute MLX's own
+  # formulas eight lanes at a time and the last `rem(n, 8)` elements through MLX's scalar
+  # code. So a value's result must be the same bits whether it falls in a lane or in
+  # that tail, and gelu_erf's those of the five MLX ops it stands for.
 
   # f32 bit patterns: a sweep of [-100, 100], the ranges' edges and IEEE's special values,
   # and the floats around x = ln(2) / 2, where `x * log2(e)` comes within an ulp of one
@@ -65,6 +66,25 @@ defmodule Emily.Native.KernelsTest do
     end
   end
 
+  defp scalar(v, type), do: Emily.from_list([v], type, shape: {}, stream: cpu())
+
+  # Axon's gelu as its five ops.
+  defp gelu_ops(x, c, type) do
+    q = N.erf(cpu(), N.divide(cpu(), x, scalar(c, type)))
+    N.divide(cpu(), N.multiply(cpu(), N.add(cpu(), q, scalar(1.0, type)), x), scalar(2.0, type))
+  end
+
+  test "gelu_erf: its five ops' values, bit for bit, in f32 (the kernel) and bf16" do
+    c = :math.sqrt(2)
+    x = tensor(inputs())
+    assert canonical(words(N.gelu_erf(cpu(), x, c))) == canonical(words(gelu_ops(x, c, {:f, 32})))
+
+    xb = N.astype(cpu(), N.slice(cpu(), x, [0], [4001], [1]), {:bf, 16})
+
+    assert Emily.to_binary(N.gelu_erf(cpu(), xb, c)) ==
+             Emily.to_binary(gelu_ops(xb, c, {:bf, 16}))
+  end
+
   test "strided and broadcast inputs give the values of their dense copies" do
     x = N.reshape(cpu(), tensor(Enum.take(inputs(), 120)), {10, 12})
     transposed = N.transpose(cpu(), x, [1, 0])
@@ -72,13 +92,15 @@ defmodule Emily.Native.KernelsTest do
     row = N.slice(cpu(), x, [3, 0], [4, 12], [1, 1])
     broadcast = N.broadcast_to(cpu(), row, {5, 12})
 
-    for fun <- [:exp, :erf, :sigmoid] do
-      assert canonical(words(apply(N, fun, [cpu(), transposed]))) ==
-               canonical(words(apply(N, fun, [cpu(), dense])))
+    for fun <- [:exp, :erf, :sigmoid, :gelu_erf] do
+      args = if fun == :gelu_erf, do: [1.5], else: []
 
-      one = canonical(words(apply(N, fun, [cpu(), row])))
+      assert canonical(words(apply(N, fun, [cpu(), transposed] ++ args))) ==
+               canonical(words(apply(N, fun, [cpu(), dense] ++ args)))
 
-      assert canonical(words(apply(N, fun, [cpu(), broadcast]))) ==
+      one = canonical(words(apply(N, fun, [cpu(), row] ++ args)))
+
+      assert canonical(words(apply(N, fun, [cpu(), broadcast] ++ args))) ==
                List.flatten(List.duplicate(one, 5))
     end
   end

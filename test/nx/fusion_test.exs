@@ -219,6 +219,17 @@ if Code.ensure_loaded?(Nx) do
       x * cos + rot * sin
     end
 
+    # Axon's gelu (Axon.Activations.gelu/1).
+    defn axon_gelu(x) do
+      sqrt2 = Nx.sqrt(Nx.tensor(2, type: Nx.type(x)))
+      x |> Nx.divide(sqrt2) |> Nx.erf() |> Nx.add(1) |> Nx.multiply(x) |> Nx.divide(2)
+    end
+
+    # Not Axon's gelu: another outer divisor, another addend, erf of another tensor.
+    defn(gelu_over_three(x), do: (Nx.erf(x / 1.5) + 1) * x / 3)
+    defn(gelu_plus_two(x), do: (Nx.erf(x / 1.5) + 2) * x / 2)
+    defn(gelu_other(x, y), do: (Nx.erf(y / 1.5) + 1) * x / 2)
+
     ## Helpers
 
     defp rand(shape, type \\ :f32, seed \\ 0) do
@@ -330,6 +341,27 @@ if Code.ensure_loaded?(Nx) do
       # The unbiased variance (divided by H - 1), and epsilon outside the square root.
       assert Emily.Compiler.fusions(&axon_ln(&1, &2, &3, ddof: 1), [x, g, b]) == []
       assert Emily.Compiler.fusions(&ln_eps_outside/3, [x, g, b]) == []
+    end
+
+    ## GELU
+
+    for type <- [:f32, :bf16, :f16] do
+      test "Axon's gelu in #{type}: the same values as unfused, to the bit" do
+        type = Nx.Type.normalize!(unquote(type))
+        # 67 elements: eight-lane blocks and a tail on the CPU kernel.
+        x = rand({67}, type, 40) |> Nx.multiply(3) |> Nx.as_type(type)
+        fused = run(&axon_gelu/1, [x])
+        plain = run(&axon_gelu/1, [x], fuse: false)
+        assert Nx.to_binary(fused) == Nx.to_binary(plain)
+        assert [%{rewrite: :gelu, type: ^type}] = Emily.Compiler.fusions(&axon_gelu/1, [x])
+      end
+    end
+
+    test "near misses of the gelu are not rewritten" do
+      x = rand({2, 8}, :f32, 41)
+      assert Emily.Compiler.fusions(&gelu_over_three/1, [x]) == []
+      assert Emily.Compiler.fusions(&gelu_plus_two/1, [x]) == []
+      assert Emily.Compiler.fusions(&gelu_other/2, [x, rand({2, 8}, :f32, 42)]) == []
     end
 
     ## Rotary embedding

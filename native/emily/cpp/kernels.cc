@@ -31,6 +31,17 @@
 namespace emily::kernels {
 namespace mx = mlx::core;
 
+namespace {
+
+// gelu_erf as the graph computes it, op by op.
+array gelu_ops(const array& x, float c, const Stream& s) {
+  auto t = x.dtype();
+  auto e = mx::erf(mx::divide(x, array(c, t), s), s);
+  return mx::divide(mx::multiply(mx::add(e, array(1.0f, t), s), x, s), array(2.0f, t), s);
+}
+
+}  // namespace
+
 #if EMILY_VECTOR_KERNELS
 namespace {
 
@@ -94,29 +105,37 @@ VECTOR inline __m256 erf8(__m256 x) {
   return _mm256_blendv_ps(_mm256_xor_ps(result, neg), result, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 
-enum class Fn { exp, erf, sigmoid };
+// The graph's five ops, each rounded to f32 as MLX's kernels round them.
+VECTOR inline __m256 gelu8(__m256 x, __m256 c) {
+  __m256 e = erf8(_mm256_div_ps(x, c));
+  return _mm256_div_ps(_mm256_mul_ps(_mm256_add_ps(e, _mm256_set1_ps(1.0f)), x), _mm256_set1_ps(2.0f));
+}
 
-// One function over n floats: eight at a time, the rest through MLX's own scalar op
-// (which the tests compare the lanes with).
+enum class Fn { exp, erf, sigmoid, gelu };
+
+// One function over n floats: eight at a time, the rest through MLX's own scalar ops
+// (which the tests compare the lanes with). `c` is gelu's divisor.
 template <Fn F>
-VECTOR void map(const float* in, float* out, size_t n) {
+VECTOR void map(const float* in, float* out, size_t n, float c) {
   size_t i = 0;
+  __m256 vc = _mm256_set1_ps(c);
   for (; i + 8 <= n; i += 8) {
     __m256 x = _mm256_loadu_ps(in + i);
-    __m256 y = F == Fn::exp ? exp8(x) : F == Fn::erf ? erf8(x) : sigmoid8(x);
+    __m256 y = F == Fn::exp ? exp8(x) : F == Fn::erf ? erf8(x) : F == Fn::sigmoid ? sigmoid8(x) : gelu8(x, vc);
     _mm256_storeu_ps(out + i, y);
   }
   for (; i < n; i++) {
     if constexpr (F == Fn::exp) out[i] = mx::detail::Exp{}(in[i]);
     if constexpr (F == Fn::erf) out[i] = mx::detail::Erf{}(in[i]);
     if constexpr (F == Fn::sigmoid) out[i] = mx::detail::Sigmoid{}(in[i]);
+    if constexpr (F == Fn::gelu) out[i] = ((mx::detail::Erf{}(in[i] / c) + 1.0f) * in[i]) / 2.0f;
   }
 }
 
 template <Fn F>
 class Elementwise : public mx::UnaryPrimitive {
  public:
-  explicit Elementwise(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  explicit Elementwise(mx::Stream s, float c = 0.0f) : mx::UnaryPrimitive(s), c_(c) {}
 
   void eval_cpu(const std::vector<array>& inputs, array& out) override {
     const array& in = inputs[0];
@@ -125,8 +144,8 @@ class Elementwise : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([in = array::unsafe_weak_copy(in), out = array::unsafe_weak_copy(out)]() mutable {
-      map<F>(in.data<float>(), out.data<float>(), in.data_size());
+    encoder.dispatch([in = array::unsafe_weak_copy(in), out = array::unsafe_weak_copy(out), c = c_]() mutable {
+      map<F>(in.data<float>(), out.data<float>(), in.data_size(), c);
     });
   }
 
@@ -135,22 +154,28 @@ class Elementwise : public mx::UnaryPrimitive {
   }
 
   const char* name() const override {
-    return F == Fn::exp ? "EmilyExp" : F == Fn::erf ? "EmilyErf" : "EmilySigmoid";
+    return F == Fn::exp ? "EmilyExp" : F == Fn::erf ? "EmilyErf" : F == Fn::sigmoid ? "EmilySigmoid" : "EmilyGelu";
   }
 
-  bool is_equivalent(const mx::Primitive& other) const override { return typeid(other) == typeid(*this); }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return typeid(other) == typeid(*this) && static_cast<const Elementwise&>(other).c_ == c_;
+  }
 
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
-  static const char* op() { return F == Fn::exp ? "exp" : F == Fn::erf ? "erf" : "sigmoid"; }
+  static const char* op() {
+    return F == Fn::exp ? "exp" : F == Fn::erf ? "erf" : F == Fn::sigmoid ? "sigmoid" : "gelu_erf";
+  }
+
+  float c_;
 };
 
 // Over a contiguous input, row- or column-major (the graph copies any other first, as
 // MLX's own strided loop would read it).
 template <Fn F>
-array elementwise(const array& a, const Stream& s) {
-  return array(a.shape(), mx::float32, std::make_shared<Elementwise<F>>(s), {mx::contiguous(a, true, s)});
+array elementwise(const array& a, const Stream& s, float c = 0.0f) {
+  return array(a.shape(), mx::float32, std::make_shared<Elementwise<F>>(s, c), {mx::contiguous(a, true, s)});
 }
 
 // MLX's softmax of f32 rows (cpu/softmax.cpp, one lane): the row's maximum, the
@@ -238,6 +263,10 @@ array sigmoid(const array& a, const Stream& s) {
   return applies(a, s) ? elementwise<Fn::sigmoid>(a, s) : mx::sigmoid(a, s);
 }
 
+array gelu_erf(const array& x, float c, const Stream& s) {
+  return applies(x, s) ? elementwise<Fn::gelu>(x, s, c) : gelu_ops(x, c, s);
+}
+
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s) {
   // f32 is its own accumulator: `precise` changes nothing for it.
   if (!applies(a, s) || !last_axis(a, axes)) return mx::softmax(a, axes, precise, s);
@@ -294,6 +323,7 @@ array attention(const array& q, const array& k, const array& v, float scale, con
 #else
 
 array exp(const array& a, const Stream& s) { return mx::exp(a, s); }
+array gelu_erf(const array& x, float c, const Stream& s) { return gelu_ops(x, c, s); }
 array erf(const array& a, const Stream& s) { return mx::erf(a, s); }
 array sigmoid(const array& a, const Stream& s) { return mx::sigmoid(a, s); }
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s) {

@@ -14,6 +14,10 @@ array exp(const array& a, const Stream& s);
 array erf(const array& a, const Stream& s);
 array sigmoid(const array& a, const Stream& s);
 
+// ((erf(x / c) + 1) * x) / 2, as those five MLX ops compute it in x's type (Axon's gelu,
+// c = sqrt(2)): on a CPU, in one pass over x.
+array gelu_erf(const array& x, float c, const Stream& s);
+
 // mx::softmax.
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s);
 

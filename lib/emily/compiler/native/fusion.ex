@@ -30,7 +30,7 @@ if Code.ensure_loaded?(Nx) do
     @doc false
     # The slot of `t` lowered to a fused kernel, with the rewrite recorded in
     # `st.fused`; nil where no rewrite matches `t`.
-    def rewrite(%T{data: %Expr{op: op}} = t, st) when op in [:multiply, :add, :dot] do
+    def rewrite(%T{data: %Expr{op: op}} = t, st) when op in [:multiply, :add, :dot, :divide] do
       # (A build may still decline, on values it computes: nil.)
       with {info, build} <- match(t),
            {_slot, _st} = built <- build.(st) do
@@ -98,6 +98,8 @@ if Code.ensure_loaded?(Nx) do
     defp match(%T{data: %Expr{op: :multiply}} = t), do: layer_norm(t) || rms_norm(t)
 
     defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t) || rope(t)
+
+    defp match(%T{data: %Expr{op: :divide}} = t), do: gelu(t)
 
     ## RMS norm
 
@@ -495,6 +497,42 @@ if Code.ensure_loaded?(Nx) do
         end)
 
       refined(f, q * 2, p, row, cos, sin)
+    end
+
+    ## GELU
+
+    # Axon's gelu, `((erf(x / c) + 1) * x) / 2` with c its sqrt(2) in x's type. The kernel
+    # computes those five ops, each rounded as the graph rounds it, in one pass (on a CPU;
+    # elsewhere it is the five ops).
+    defp gelu(%T{type: type, data: %Expr{args: [num, two]}}) do
+      with k when k == 2 <- constant(two),
+           %T{data: %Expr{op: :multiply, args: [a, b]}} <- strip(num),
+           {x, c} <- Enum.find_value([{a, b}, {b, a}], &erf_plus_one/1),
+           %T{type: ^type} <- x do
+        build = fn st ->
+          {xs, st} = operand(x, type, st)
+          emit(st, :gelu_erf, [xs, c])
+        end
+
+        {%{rewrite: :gelu}, build}
+      else
+        _ -> nil
+      end
+    end
+
+    # `{x, c}` where `plus` is `erf(x / c) + 1` and `x` is `other`.
+    defp erf_plus_one({plus, other}) do
+      with %T{data: %Expr{op: :add, args: [l, r]}} <- strip(plus),
+           erf when erf != nil <-
+             Enum.find_value([{l, r}, {r, l}], fn {e, k} -> constant(k) == 1 && e end),
+           %T{data: %Expr{op: :erf, args: [q]}} <- strip(erf),
+           %T{data: %Expr{op: :divide, args: [x, c]}} <- strip(q),
+           c when is_number(c) and c > 0 <- constant(c),
+           true <- same?(x, other) do
+        {x, c}
+      else
+        _ -> nil
+      end
     end
 
     ## Attention
