@@ -339,6 +339,21 @@ defmodule Emily.Native.LinalgTest do
         1.0e-4
       )
     end
+
+    # Past 65536 weights the product is split over the cores by output columns: sizes
+    # that are not multiples of the kernel's blocks (4 rows, 8 lanes, 64 columns).
+    test "a matrix large enough to split over the cores, in both layouts" do
+      k = 301
+      n = 517
+      x = for i <- 1..k, do: :math.sin(i * 0.3)
+      w = for i <- 1..(k * n), do: :math.cos(i * 0.011)
+      expect = hd(mm([x], rows(w, n)))
+      xs = t(x, {:f, 32}, {1, k})
+      assert_close(l(N.dot(cpu(), xs, [1], [], t(w, {:f, 32}, {k, n}), [0], [])), expect, 1.0e-4)
+
+      wt = t(l(N.transpose(cpu(), t(w, {:f, 32}, {k, n}), [1, 0])), {:f, 32}, {n, k})
+      assert_close(l(N.dot(cpu(), xs, [1], [], wt, [1], [])), expect, 1.0e-4)
+    end
   end
 
   describe "tensordot" do

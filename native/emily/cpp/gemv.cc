@@ -1,22 +1,33 @@
-// A vector-matrix product on the CPU as one BLAS gemv call.
+// A vector-matrix product on the CPU, reading the matrix once.
 //
 // MLX's CPU matmul hands every product to sgemm. For a single row (each dense layer of a
 // decoding step: x is one token's hidden state) OpenBLAS's sgemm first packs the whole
 // matrix into its panel layout, reading and writing every weight once more than the
 // product needs: 3.4x the time of sgemv on a 1024 x 3072 f32 weight (bench/models.exs
-// measures it per decoded token). gemv reads the weight once, in either layout, with
-// OpenBLAS's threads. Only Linux takes this path (Accelerate's sgemm has no such cost).
+// measures it per decoded token). Such a product is bound by the memory's bandwidth,
+// which one core does not reach: on x86-64 with AVX2 and FMA it runs as Emily's own
+// kernel, split over the cores (cpp/pool.h) by output columns, each column summed in
+// order over the rows; elsewhere as BLAS's gemv. Only Linux takes this path (Accelerate's
+// sgemm has no such cost).
 #include "gemv.h"
 
 #if defined(__linux__)
 #include <cblas.h>
 
+#include <cmath>
+#include <functional>
 #include <typeinfo>
 #include <vector>
 
+#include "kernels.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "pool.h"
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <immintrin.h>
+#define EMILY_GEMV_KERNEL 1
 #endif
 
 namespace emily {
@@ -24,6 +35,80 @@ namespace mx = mlx::core;
 
 #if defined(__linux__)
 namespace {
+
+#if EMILY_GEMV_KERNEL
+#define VECTOR __attribute__((target("avx2,fma")))
+
+// y[j0, j1) of x (k) times b (k, n), row i of b at b + i * ldb: four rows at a time, each
+// output summed over the rows in order.
+VECTOR void rows_part(const float* x, const float* b, int64_t ldb, float* y, int k, int j0, int j1) {
+  int j = j0;
+  for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(y + j, _mm256_setzero_ps());
+  for (; j < j1; j++) y[j] = 0.0f;
+  int i = 0;
+  for (; i + 4 <= k; i += 4) {
+    const float *b0 = b + i * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
+    __m256 x0 = _mm256_set1_ps(x[i]), x1 = _mm256_set1_ps(x[i + 1]);
+    __m256 x2 = _mm256_set1_ps(x[i + 2]), x3 = _mm256_set1_ps(x[i + 3]);
+    for (j = j0; j + 8 <= j1; j += 8) {
+      __m256 acc = _mm256_loadu_ps(y + j);
+      acc = _mm256_fmadd_ps(x0, _mm256_loadu_ps(b0 + j), acc);
+      acc = _mm256_fmadd_ps(x1, _mm256_loadu_ps(b1 + j), acc);
+      acc = _mm256_fmadd_ps(x2, _mm256_loadu_ps(b2 + j), acc);
+      acc = _mm256_fmadd_ps(x3, _mm256_loadu_ps(b3 + j), acc);
+      _mm256_storeu_ps(y + j, acc);
+    }
+    for (; j < j1; j++) {
+      y[j] = std::fma(x[i + 3], b3[j], std::fma(x[i + 2], b2[j], std::fma(x[i + 1], b1[j], std::fma(x[i], b0[j], y[j]))));
+    }
+  }
+  for (; i < k; i++) {
+    const float* bi = b + i * ldb;
+    __m256 xi = _mm256_set1_ps(x[i]);
+    for (j = j0; j + 8 <= j1; j += 8) {
+      _mm256_storeu_ps(y + j, _mm256_fmadd_ps(xi, _mm256_loadu_ps(bi + j), _mm256_loadu_ps(y + j)));
+    }
+    for (; j < j1; j++) y[j] = std::fma(x[i], bi[j], y[j]);
+  }
+}
+
+// y[j0, j1) of x (k) times b (k, n) stored by columns, column j at b + j * ldb (the
+// transpose of a row-major (n, k) weight): each output a dot product over k.
+VECTOR void cols_part(const float* x, const float* b, int64_t ldb, float* y, int k, int j0, int j1) {
+  for (int j = j0; j < j1; j++) {
+    const float* c = b + j * ldb;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 32 <= k; i += 32) {
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+    }
+    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i), _mm256_loadu_ps(x + i), a0);
+    __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    float sum = _mm_cvtss_f32(h);
+    for (; i < k; i++) sum = std::fma(c[i], x[i], sum);
+    y[j] = sum;
+  }
+}
+
+// Splits the n outputs over the pool in blocks of 64 (whole cache lines of y), unless
+// the matrix is small enough that one core's share would not cover a hand-off.
+void split(int k, int n, const std::function<void(int, int)>& part) {
+  int parts = static_cast<int64_t>(k) * n < (1 << 16) ? 1 : emily::pool::parts();
+  int blocks = (n + 63) / 64;
+  if (parts > blocks) parts = blocks;
+  emily::pool::run(parts, [&](int p) {
+    int from = static_cast<int>(static_cast<int64_t>(blocks) * p / parts) * 64;
+    int to = static_cast<int>(static_cast<int64_t>(blocks) * (p + 1) / parts) * 64;
+    part(from, to < n ? to : n);
+  });
+}
+#endif
 
 class RowGemv : public mx::UnaryPrimitive {
  public:
@@ -55,6 +140,13 @@ class RowGemv : public mx::UnaryPrimitive {
         xp = xs.data();
         incx = 1;
       }
+#if EMILY_GEMV_KERNEL
+      if ((rows || cols) && kernels::vector_cpu()) {
+        auto part = rows ? rows_part : cols_part;
+        split(k, n, [&](int j0, int j1) { part(xp, bp, rows ? sk : sn, yp, k, j0, j1); });
+        return;
+      }
+#endif
       if (rows) {
         cblas_sgemv(CblasRowMajor, CblasTrans, k, n, 1.0f, bp, sk, xp, incx, 0.0f, yp, 1);
       } else if (cols) {

@@ -43,8 +43,6 @@ array gelu_ops(const array& x, float c, const Stream& s) {
 }  // namespace
 
 #if EMILY_VECTOR_KERNELS
-namespace {
-
 bool vector_cpu() {
   static const bool ok = [] {
     __builtin_cpu_init();
@@ -52,6 +50,8 @@ bool vector_cpu() {
   }();
   return ok;
 }
+
+namespace {
 
 bool applies(const array& a, const Stream& s) {
   return s.device == mx::Device::cpu && a.dtype() == mx::float32 && vector_cpu();
@@ -322,6 +322,7 @@ array attention(const array& q, const array& k, const array& v, float scale, con
 
 #else
 
+bool vector_cpu() { return false; }
 array exp(const array& a, const Stream& s) { return mx::exp(a, s); }
 array gelu_erf(const array& x, float c, const Stream& s) { return gelu_ops(x, c, s); }
 array erf(const array& a, const Stream& s) { return mx::erf(a, s); }

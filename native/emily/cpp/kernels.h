@@ -9,6 +9,9 @@
 
 namespace emily::kernels {
 
+// Whether this CPU runs the vector kernels: x86-64 with AVX2 and FMA.
+bool vector_cpu();
+
 // mx::exp, mx::erf and mx::sigmoid.
 array exp(const array& a, const Stream& s);
 array erf(const array& a, const Stream& s);
