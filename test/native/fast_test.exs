@@ -240,6 +240,25 @@ defmodule Emily.Native.FastTest do
       assert_close(l(y), l(ref_sdpa(q, k, v, scale, {:add, add_mask})), 1.0e-5)
     end
 
+    # On an x86-64 CPU, up to 8 query rows run Emily's decoding kernel, which reads k and
+    # v through their strides (a cache laid out [B, L, heads, D], transposed); more rows
+    # run MLX's composition. Both against the reference, for either layout.
+    test "a [B, L, heads, D] cache read transposed, for a step and for a prefill" do
+      {b, hq, hk, lk, d} = {1, 4, 2, 13, 16}
+      k0 = t(seq(b * lk * hk * d, &:math.sin(&1 * 0.7)), {:f, 32}, {b, lk, hk, d})
+      v0 = t(seq(b * lk * hk * d, &:math.cos(&1 * 0.2)), {:f, 32}, {b, lk, hk, d})
+      k = N.transpose(s(), k0, [0, 2, 1, 3])
+      v = N.transpose(s(), v0, [0, 2, 1, 3])
+
+      for lq <- [1, 8, 9, 13] do
+        q = t(seq(b * hq * lq * d, &:math.cos(&1 * 1.3)), {:f, 32}, {b, hq, lq, d})
+        keep = for i <- 0..(lq - 1), j <- 0..(lk - 1), do: j <= i + (lk - lq)
+        y = N.scaled_dot_product_attention(s(), q, k, v, 0.25, "causal", nil, nil)
+        expect = ref_sdpa(q, k, v, 0.25, {:bool, t(keep, :bool, {lq, lk})})
+        assert_close(l(y), l(expect), 1.0e-5)
+      end
+    end
+
     test "sinks against the composition with an extra softmax column" do
       {hq, lq, lk, d} = {2, 2, 3, 4}
       q = t(seq(hq * lq * d), {:f, 32}, {1, hq, lq, d})

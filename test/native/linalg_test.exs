@@ -354,6 +354,27 @@ defmodule Emily.Native.LinalgTest do
       wt = t(l(N.transpose(cpu(), t(w, {:f, 32}, {k, n}), [1, 0])), {:f, 32}, {n, k})
       assert_close(l(N.dot(cpu(), xs, [1], [], wt, [1], [])), expect, 1.0e-4)
     end
+
+    # bf16 operands (on x86-64 with AVX2, Emily's kernel): sums in f32 over the bf16
+    # values, rounded to bf16 once; against the oracle on the same bf16 values.
+    test "bf16 operands, both layouts, a tail of 3 columns" do
+      k = 301
+      n = 515
+      xb = t(for(i <- 1..k, do: :math.sin(i * 0.3)), {:bf, 16}, {1, k})
+      wb = t(for(i <- 1..(k * n), do: :math.cos(i * 0.011)), {:bf, 16}, {k, n})
+      expect = hd(mm([l(xb)], rows(l(wb), n)))
+      out = N.dot(cpu(), xb, [1], [], wb, [0], [])
+      assert Emily.dtype(out) == {:bf, 16}
+      # bf16 keeps 8 bits: half an ulp of the largest sum, and the f32 sums' rounding.
+      bound = Enum.max(Enum.map(expect, &abs/1)) / 256
+      assert Enum.all?(Enum.zip(l(out), expect), fn {a, e} -> abs(a - e) <= bound end)
+
+      wt = N.astype(cpu(), t(l(N.transpose(cpu(), wb, [1, 0])), {:f, 32}, {n, k}), {:bf, 16})
+
+      assert l(N.dot(cpu(), xb, [1], [], wt, [1], []))
+             |> Enum.zip(expect)
+             |> Enum.all?(fn {a, e} -> abs(a - e) <= bound end)
+    end
   end
 
   describe "tensordot" do

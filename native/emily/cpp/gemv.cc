@@ -15,6 +15,8 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <functional>
 #include <typeinfo>
 #include <vector>
@@ -39,59 +41,78 @@ namespace {
 #if EMILY_GEMV_KERNEL
 #define VECTOR __attribute__((target("avx2,fma")))
 
+// Weights are f32 or bf16 (its bits, widened to f32 exactly); x and the sums are f32.
+VECTOR inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+VECTOR inline __m256 load8(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // y[j0, j1) of x (k) times b (k, n), row i of b at b + i * ldb: four rows at a time, each
 // output summed over the rows in order.
-VECTOR void rows_part(const float* x, const float* b, int64_t ldb, float* y, int k, int j0, int j1) {
+template <typename W>
+VECTOR void rows_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
   int j = j0;
   for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(y + j, _mm256_setzero_ps());
   for (; j < j1; j++) y[j] = 0.0f;
   int i = 0;
   for (; i + 4 <= k; i += 4) {
-    const float *b0 = b + i * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
+    const W *b0 = b + i * ldb, *b1 = b0 + ldb, *b2 = b1 + ldb, *b3 = b2 + ldb;
     __m256 x0 = _mm256_set1_ps(x[i]), x1 = _mm256_set1_ps(x[i + 1]);
     __m256 x2 = _mm256_set1_ps(x[i + 2]), x3 = _mm256_set1_ps(x[i + 3]);
     for (j = j0; j + 8 <= j1; j += 8) {
       __m256 acc = _mm256_loadu_ps(y + j);
-      acc = _mm256_fmadd_ps(x0, _mm256_loadu_ps(b0 + j), acc);
-      acc = _mm256_fmadd_ps(x1, _mm256_loadu_ps(b1 + j), acc);
-      acc = _mm256_fmadd_ps(x2, _mm256_loadu_ps(b2 + j), acc);
-      acc = _mm256_fmadd_ps(x3, _mm256_loadu_ps(b3 + j), acc);
+      acc = _mm256_fmadd_ps(x0, load8(b0 + j), acc);
+      acc = _mm256_fmadd_ps(x1, load8(b1 + j), acc);
+      acc = _mm256_fmadd_ps(x2, load8(b2 + j), acc);
+      acc = _mm256_fmadd_ps(x3, load8(b3 + j), acc);
       _mm256_storeu_ps(y + j, acc);
     }
     for (; j < j1; j++) {
-      y[j] = std::fma(x[i + 3], b3[j], std::fma(x[i + 2], b2[j], std::fma(x[i + 1], b1[j], std::fma(x[i], b0[j], y[j]))));
+      float acc = std::fma(x[i], load1(b0 + j), y[j]);
+      acc = std::fma(x[i + 1], load1(b1 + j), acc);
+      acc = std::fma(x[i + 2], load1(b2 + j), acc);
+      y[j] = std::fma(x[i + 3], load1(b3 + j), acc);
     }
   }
   for (; i < k; i++) {
-    const float* bi = b + i * ldb;
+    const W* bi = b + i * ldb;
     __m256 xi = _mm256_set1_ps(x[i]);
     for (j = j0; j + 8 <= j1; j += 8) {
-      _mm256_storeu_ps(y + j, _mm256_fmadd_ps(xi, _mm256_loadu_ps(bi + j), _mm256_loadu_ps(y + j)));
+      _mm256_storeu_ps(y + j, _mm256_fmadd_ps(xi, load8(bi + j), _mm256_loadu_ps(y + j)));
     }
-    for (; j < j1; j++) y[j] = std::fma(x[i], bi[j], y[j]);
+    for (; j < j1; j++) y[j] = std::fma(x[i], load1(bi + j), y[j]);
   }
 }
 
 // y[j0, j1) of x (k) times b (k, n) stored by columns, column j at b + j * ldb (the
 // transpose of a row-major (n, k) weight): each output a dot product over k.
-VECTOR void cols_part(const float* x, const float* b, int64_t ldb, float* y, int k, int j0, int j1) {
+template <typename W>
+VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
   for (int j = j0; j < j1; j++) {
-    const float* c = b + j * ldb;
+    const W* c = b + j * ldb;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int i = 0;
     for (; i + 32 <= k; i += 32) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i), _mm256_loadu_ps(x + i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+      a0 = _mm256_fmadd_ps(load8(c + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(load8(c + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+      a2 = _mm256_fmadd_ps(load8(c + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+      a3 = _mm256_fmadd_ps(load8(c + i + 24), _mm256_loadu_ps(x + i + 24), a3);
     }
-    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(c + i), _mm256_loadu_ps(x + i), a0);
+    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(load8(c + i), _mm256_loadu_ps(x + i), a0);
     __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     float sum = _mm_cvtss_f32(h);
-    for (; i < k; i++) sum = std::fma(c[i], x[i], sum);
+    for (; i < k; i++) sum = std::fma(load1(c + i), x[i], sum);
     y[j] = sum;
   }
 }
@@ -142,7 +163,7 @@ class RowGemv : public mx::UnaryPrimitive {
       }
 #if EMILY_GEMV_KERNEL
       if ((rows || cols) && kernels::vector_cpu()) {
-        auto part = rows ? rows_part : cols_part;
+        auto part = rows ? rows_part<float> : cols_part<float>;
         split(k, n, [&](int j0, int j1) { part(xp, bp, rows ? sk : sn, yp, k, j0, j1); });
         return;
       }
@@ -173,14 +194,87 @@ class RowGemv : public mx::UnaryPrimitive {
   }
 };
 
+#if EMILY_GEMV_KERNEL
+// The same product of bf16 operands (MLX's CPU bf16 matmul, which has no BLAS, runs on
+// one thread at a few GFLOP/s): x widened to f32, the sums in f32 and rounded to bf16 at
+// the end, as MLX's own bf16 products round.
+class RowGemvBf16 : public mx::UnaryPrimitive {
+ public:
+  explicit RowGemvBf16(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+    const array& x = inputs[0];
+    const array& b = inputs[1];
+    const int k = b.shape(0), n = b.shape(1);
+    const auto sk = b.strides(0), sn = b.strides(1);
+    const bool rows = sn == 1 && sk >= n;
+    const bool cols = sk == 1 && sn >= k;
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(b);
+    encoder.set_output_array(out);
+    encoder.dispatch([xp = x.data<uint16_t>(), incx = x.strides(1), bp = b.data<uint16_t>(),
+                      yp = out.data<uint16_t>(), k, n, sk, sn, rows, cols]() {
+      std::vector<float> xs(k), ys(n);
+      for (int i = 0; i < k; i++) xs[i] = load1(xp + i * incx);
+      if (rows || cols) {
+        auto part = rows ? rows_part<uint16_t> : cols_part<uint16_t>;
+        split(k, n, [&](int j0, int j1) { part(xs.data(), bp, rows ? sk : sn, ys.data(), k, j0, j1); });
+      } else {
+        for (int j = 0; j < n; j++) {
+          float sum = 0.0f;
+          for (int i = 0; i < k; i++) sum = std::fma(xs[i], load1(bp + i * sk + j * sn), sum);
+          ys[j] = sum;
+        }
+      }
+      for (int j = 0; j < n; j++) yp[j] = to_bf16(ys[j]);
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("[dot] the CPU gemv product has no GPU kernel");
+  }
+
+  const char* name() const override { return "EmilyRowGemvBf16"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override { return typeid(other) == typeid(*this); }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {{1, inputs[1].shape(1)}};
+  }
+
+ private:
+  // Round to nearest even; NaN stays NaN.
+  static uint16_t to_bf16(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+};
+#endif
+
 }  // namespace
 
 bool row_gemv_applies(const array& x, const array& b, const Stream& s) {
-  return s.device == mx::Device::cpu && x.dtype() == mx::float32 && b.dtype() == mx::float32 && x.ndim() == 2 &&
-         b.ndim() == 2 && x.shape(0) == 1 && x.shape(1) == b.shape(0) && x.shape(1) > 0 && b.shape(1) > 0;
+  bool shapes = x.ndim() == 2 && b.ndim() == 2 && x.shape(0) == 1 && x.shape(1) == b.shape(0) && x.shape(1) > 0 &&
+                b.shape(1) > 0;
+  bool f32 = x.dtype() == mx::float32 && b.dtype() == mx::float32;
+#if EMILY_GEMV_KERNEL
+  bool bf16 = x.dtype() == mx::bfloat16 && b.dtype() == mx::bfloat16 && kernels::vector_cpu();
+#else
+  bool bf16 = false;
+#endif
+  return s.device == mx::Device::cpu && shapes && (f32 || bf16);
 }
 
 array row_gemv(const array& x, const array& b, const Stream& s) {
+#if EMILY_GEMV_KERNEL
+  if (x.dtype() == mx::bfloat16) {
+    return array({1, b.shape(1)}, mx::bfloat16, std::make_shared<RowGemvBf16>(s), {x, b});
+  }
+#endif
   return array({1, b.shape(1)}, mx::float32, std::make_shared<RowGemv>(s), {x, b});
 }
 #else

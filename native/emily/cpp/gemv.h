@@ -1,4 +1,4 @@
-// One row times a matrix on a CPU stream, through BLAS's gemv (see gemv.cc).
+// One row times a matrix on a CPU stream, reading the matrix once (see gemv.cc).
 #pragma once
 
 #include "emily.h"
@@ -6,7 +6,8 @@
 namespace emily {
 
 // Whether `row_gemv` computes `mx::matmul(x, b, s)` for these operands: a CPU stream on
-// Linux, f32 operands, x of shape (1, K) and b of shape (K, N), K and N nonzero.
+// Linux, x of shape (1, K) and b of shape (K, N), K and N nonzero, both f32, or both bf16
+// on a CPU that runs Emily's vector kernels.
 bool row_gemv_applies(const array& x, const array& b, const Stream& s);
 
 // x (1, K) times b (K, N), as `mx::matmul` computes it, where `row_gemv_applies`.

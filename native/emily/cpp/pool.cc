@@ -58,7 +58,7 @@ class Pool {
     uint64_t seen = 0;
     for (;;) {
       uint64_t g = seen;
-      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
       while ((g = generation_.load(std::memory_order_acquire)) == seen && std::chrono::steady_clock::now() < until) {
         EMILY_PAUSE();
       }

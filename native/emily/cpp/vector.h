@@ -1,0 +1,119 @@
+// Emily's AVX2 and FMA versions of MLX's CPU formulas (see kernels.cc): exp, sigmoid and
+// erf eight lanes at a time, each rounding as MLX's scalar code rounds, and softmax rows.
+// Defined on x86-64 Linux only (EMILY_VECTOR_KERNELS), for CPUs that kernels::vector_cpu()
+// finds able to run them.
+#pragma once
+
+#if defined(__x86_64__) && defined(__linux__)
+#define EMILY_VECTOR_KERNELS 1
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstddef>
+
+// (MLX's fp8 conversions in unary_ops.h pun pointers; none is used here.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstrict-aliasing"
+#include "mlx/backend/cpu/simd/simd.h"
+#include "mlx/backend/cpu/unary_ops.h"
+#pragma GCC diagnostic pop
+
+#define EMILY_VECTOR __attribute__((target("avx2,fma")))
+
+namespace emily::kernels::vec {
+namespace mx = mlx::core;
+
+
+// simd::exp of MLX (cpu/simd/math.h): 2^round(x log2 e) times a polynomial of the rest.
+EMILY_VECTOR inline __m256 exp8(__m256 x0) {
+  __m256 x = _mm256_mul_ps(x0, _mm256_set1_ps(1.442695f));
+  // MLX rounds with floor(x + 0.5) in double, which is exact; in f32, x + 0.5 can round
+  // up. floor(x), plus one where x's fraction (exact in f32) is at least a half.
+  __m256 fl = _mm256_floor_ps(x);
+  __m256 up = _mm256_cmp_ps(_mm256_sub_ps(x, fl), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+  __m256 ipart = _mm256_add_ps(fl, _mm256_and_ps(up, _mm256_set1_ps(1.0f)));
+  __m256 f = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(_mm256_castsi256_ps(e), p);
+  r = _mm256_blendv_ps(r, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q));
+  r = _mm256_blendv_ps(r, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x0, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  return _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(x0, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+}
+
+EMILY_VECTOR inline __m256 abs8(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+
+// detail::Sigmoid (cpu/unary_ops.h): y = 1 / (1 + exp(|x|)), y below zero, 1 - y above.
+EMILY_VECTOR inline __m256 sigmoid8(__m256 x) {
+  __m256 one = _mm256_set1_ps(1.0f);
+  __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, exp8(abs8(x))));
+  return _mm256_blendv_ps(_mm256_sub_ps(one, y), y, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+
+// simd::erf (cpu/simd/math.h): Abramowitz and Stegun 7.1.26.
+EMILY_VECTOR inline __m256 erf8(__m256 x) {
+  __m256 one = _mm256_set1_ps(1.0f);
+  __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), abs8(x), one));
+  __m256 r = _mm256_fmadd_ps(_mm256_set1_ps(1.061405429f), t, _mm256_set1_ps(-1.453152027f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(1.421413741f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(-0.284496736f));
+  r = _mm256_fmadd_ps(r, t, _mm256_set1_ps(0.254829592f));
+  __m256 neg = _mm256_set1_ps(-0.0f);
+  __m256 e = _mm256_xor_ps(exp8(_mm256_mul_ps(_mm256_xor_ps(x, neg), x)), neg);
+  __m256 result = _mm256_fmadd_ps(_mm256_mul_ps(e, t), r, one);
+  return _mm256_blendv_ps(_mm256_xor_ps(result, neg), result, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+}
+
+// The graph's five ops, each rounded to f32 as MLX's kernels round them.
+EMILY_VECTOR inline __m256 gelu8(__m256 x, __m256 c) {
+  __m256 e = erf8(_mm256_div_ps(x, c));
+  return _mm256_div_ps(_mm256_mul_ps(_mm256_add_ps(e, _mm256_set1_ps(1.0f)), x), _mm256_set1_ps(2.0f));
+}
+
+// MLX's softmax of f32 rows (cpu/softmax.cpp, one lane): the row's maximum, the
+// exponentials of the differences and their sum taken in order, then each times the
+// sum's reciprocal. The maximum and the exponentials go eight at a time (the maximum
+// is the same number in any order, and NaN wherever MLX's is); the sum keeps MLX's order.
+EMILY_VECTOR inline void softmax_rows(const float* in, float* out, size_t rows, size_t m) {
+  for (size_t row = 0; row < rows; row++, in += m, out += m) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    __m256 nan = _mm256_setzero_ps();
+    size_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+      __m256 x = _mm256_loadu_ps(in + j);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    float maximum = -INFINITY;
+    for (float v : lanes) maximum = v > maximum ? v : maximum;
+    bool has_nan = _mm256_movemask_ps(nan) != 0;
+    for (; j < m; j++) {
+      has_nan = has_nan || std::isnan(in[j]);
+      maximum = in[j] > maximum ? in[j] : maximum;
+    }
+    if (has_nan) maximum = NAN;
+
+    __m256 vm = _mm256_set1_ps(maximum);
+    for (j = 0; j + 8 <= m; j += 8) _mm256_storeu_ps(out + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(in + j), vm)));
+    for (; j < m; j++) out[j] = mx::detail::Exp{}(in[j] - maximum);
+    float normalizer = 0.0f;
+    for (j = 0; j < m; j++) normalizer += out[j];
+    normalizer = 1 / normalizer;
+    __m256 vn = _mm256_set1_ps(normalizer);
+    for (j = 0; j + 8 <= m; j += 8) _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(out + j), vn));
+    for (; j < m; j++) out[j] *= normalizer;
+  }
+}
+
+}  // namespace emily::kernels::vec
+
+#endif
