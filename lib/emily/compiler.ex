@@ -129,6 +129,11 @@ if Code.ensure_loaded?(Nx) do
     The kernel computes in f32, so a bf16 graph, which multiplies by tables rounded
     to bf16, gets the more precise result.
 
+    Axon's `gelu` (`((erf(x / sqrt(2)) + 1) * x) / 2`, its constants as Axon writes them)
+    becomes one instruction that computes those five ops, each rounded as the graph
+    rounds it: on a CPU, one pass over the activation instead of five, with the same
+    values to the bit; elsewhere the same five ops.
+
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as
     `fusions/3` lists them); `fusions/3` lists them for a function without running it.
@@ -488,7 +493,8 @@ if Code.ensure_loaded?(Nx) do
     The fused kernels the native path runs for `fun` on `args` (tensors or templates),
     found by lowering its graph without running it, with the compiler options `opts`
     (see "Fusion"): one map per rewrite, in the order the lowering made them, each with
-    `:rewrite` (`:rms_norm`, `:layer_norm`, `:rope` or `:scaled_dot_product_attention`),
+    `:rewrite` (`:rms_norm`, `:layer_norm`, `:rope`, `:scaled_dot_product_attention` or
+    `:gelu`),
     the result's `:shape` and `:type`, and the kernel's parameters (`:eps`, `:weight`,
     `:bias`; `:dims`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`). Empty
     with `fuse: false`, and where the graph runs on the evaluator path.

@@ -377,6 +377,23 @@ defmodule Emily.Native.LinalgTest do
     end
   end
 
+  # A CPU stream multiplies bf16 and f16 matrices through f32 (MLX's own half matmul has
+  # no BLAS): the f32 sums of the half values, rounded once.
+  test "bf16 and f16 products of several rows" do
+    for type <- [{:bf, 16}, {:f, 16}] do
+      a = t(for(i <- 1..(5 * 37), do: :math.sin(i * 0.7)), type, {5, 37})
+      b = t(for(i <- 1..(37 * 23), do: :math.cos(i * 0.3)), type, {37, 23})
+      out = N.dot(cpu(), a, [1], [], b, [0], [])
+      assert Emily.dtype(out) == type
+      expect = mm(rows(l(a), 37), rows(l(b), 23)) |> List.flatten()
+      ulp = if type == {:bf, 16}, do: 1 / 128, else: 1 / 1024
+
+      assert Enum.all?(Enum.zip(l(out), expect), fn {x, e} ->
+               abs(x - e) <= ulp * max(abs(e), 1.0)
+             end)
+    end
+  end
+
   describe "tensordot" do
     test "contracts explicit axes lists" do
       # a {2, 3}, b {3, 2}: contracting a1 with b0 is matmul

@@ -230,6 +230,11 @@ if Code.ensure_loaded?(Nx) do
     defn(gelu_plus_two(x), do: (Nx.erf(x / 1.5) + 2) * x / 2)
     defn(gelu_other(x, y), do: (Nx.erf(y / 1.5) + 1) * x / 2)
 
+    # Bumblebee's generation step: the LM head over every position, then the last row.
+    defn(last_logits(h, w), do: Nx.dot(h, [2], w, [1])[[.., -1]])
+    defn(first_vocab(h, w), do: Nx.dot(h, [2], w, [1])[[.., .., 0..3]])
+    defn(batched_last(h, w), do: Nx.dot(h, [2], [0], w, [2], [0])[[.., -1]])
+
     ## Helpers
 
     defp rand(shape, type \\ :f32, seed \\ 0) do
@@ -362,6 +367,19 @@ if Code.ensure_loaded?(Nx) do
       assert Emily.Compiler.fusions(&gelu_over_three/1, [x]) == []
       assert Emily.Compiler.fusions(&gelu_plus_two/1, [x]) == []
       assert Emily.Compiler.fusions(&gelu_other/2, [x, rand({2, 8}, :f32, 42)]) == []
+    end
+
+    ## A slice of a product
+
+    test "the last position of an LM head is the head of the last position" do
+      h = rand({2, 7, 16}, :f32, 43)
+      w = rand({40, 16}, :f32, 44)
+      {diff, fused} = compare(&last_logits/2, [h, w])
+      assert [%{rewrite: :sliced_dot, shape: {2, 1, 40}}] = fused
+      assert diff <= tol({:f, 32})
+      # A slice of the other operand's axis, and a batched product, are not rewritten.
+      assert Emily.Compiler.fusions(&first_vocab/2, [h, w]) == []
+      assert Emily.Compiler.fusions(&batched_last/2, [h, rand({2, 40, 16}, :f32, 45)]) == []
     end
 
     ## Rotary embedding

@@ -4,7 +4,8 @@ if Code.ensure_loaded?(Nx) do
     # Rewrites of the native path (Emily.Compiler.Native): subgraphs that compute RMS
     # norm, layer norm, rotary embeddings or scaled dot-product attention as chains of
     # Nx ops, in the exact form Bumblebee's and Axon's layers write them, lowered to
-    # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to). A node is rewritten when it
+    # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to), and
+    # Axon's gelu, lowered to Emily's one-pass CPU kernel. A node is rewritten when it
     # is the root of such a subgraph, matched on its ops, arguments and shapes; the
     # nodes inside are then not lowered (unless something else reads them, which
     # lowers them as usual).
@@ -30,7 +31,8 @@ if Code.ensure_loaded?(Nx) do
     @doc false
     # The slot of `t` lowered to a fused kernel, with the rewrite recorded in
     # `st.fused`; nil where no rewrite matches `t`.
-    def rewrite(%T{data: %Expr{op: op}} = t, st) when op in [:multiply, :add, :dot, :divide] do
+    def rewrite(%T{data: %Expr{op: op}} = t, st)
+        when op in [:multiply, :add, :dot, :divide, :slice] do
       # (A build may still decline, on values it computes: nil.)
       with {info, build} <- match(t),
            {_slot, _st} = built <- build.(st) do
@@ -100,6 +102,8 @@ if Code.ensure_loaded?(Nx) do
     defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t) || rope(t)
 
     defp match(%T{data: %Expr{op: :divide}} = t), do: gelu(t)
+
+    defp match(%T{data: %Expr{op: :slice}} = t), do: sliced_dot(t)
 
     ## RMS norm
 
@@ -533,6 +537,48 @@ if Code.ensure_loaded?(Nx) do
       else
         _ -> nil
       end
+    end
+
+    ## A slice of a product
+
+    # A slice of `dot(l, r)` (no batch axes) that keeps all of r's free axes: the product
+    # of the slice of l, which computes only the rows kept. Bumblebee's generation takes
+    # `logits[[.., -1]]` of an LM head applied to every position of the prompt; this
+    # computes the head for the last one. Each element is the same dot product.
+    defp sliced_dot(%T{data: %Expr{args: [p, starts, lengths, strides]}}) do
+      with %T{type: type, data: %Expr{op: :dot, args: [l, cl, [], r, cr, []]}} <- strip(p),
+           true <- Enum.all?(starts, &is_integer/1),
+           free = Enum.to_list(0..(tuple_size(l.shape) - 1)//1) -- cl,
+           {kept, rest} = Enum.split(Enum.zip([starts, lengths, strides]), length(free)),
+           r_free = Enum.to_list(0..(tuple_size(r.shape) - 1)//1) -- cr,
+           true <- rest == Enum.map(r_free, &{0, elem(r.shape, &1), 1}),
+           true <- Enum.any?(Enum.zip(free, kept), fn {a, {_, n, _}} -> n < elem(l.shape, a) end) do
+        by_axis = Map.new(Enum.zip(free, kept))
+
+        {starts_l, lengths_l, strides_l} =
+          Enum.map(
+            0..(tuple_size(l.shape) - 1)//1,
+            &Map.get(by_axis, &1, {0, elem(l.shape, &1), 1})
+          )
+          |> unzip3()
+
+        build = fn st ->
+          {ls, st} = operand(l, type, st)
+          {from, to} = Emily.Backend.Ops.slice_bounds(l.shape, starts_l, lengths_l)
+          {ls, st} = emit(st, :slice, [ls, from, to, strides_l])
+          {rs, st} = operand(r, type, st)
+          emit(st, :dot, [ls, cl, [], rs, cr, []])
+        end
+
+        {%{rewrite: :sliced_dot}, build}
+      else
+        _ -> nil
+      end
+    end
+
+    defp unzip3(triples) do
+      {Enum.map(triples, &elem(&1, 0)), Enum.map(triples, &elem(&1, 1)),
+       Enum.map(triples, &elem(&1, 2))}
     end
 
     ## Attention
