@@ -132,7 +132,8 @@ class DecodeAttention : public mx::Primitive {
     const float lowest = -std::numeric_limits<float>::max();
     float* o = out.data<float>();
     int pairs = batch * q_heads;
-    int parts = static_cast<int64_t>(pairs) * keys * (d + dv) < (1 << 15) ? 1 : std::min(pool::parts(), pairs);
+    // One part per (batch, head), or one in all where the cache is small.
+    int parts = static_cast<int64_t>(pairs) * keys * (d + dv) < (1 << 15) ? 1 : pairs;
 
     pool::run(parts, [&](int part) {
       std::vector<float> qs(d), scores(keys), acc(dv);

@@ -14,6 +14,7 @@
 #if defined(__linux__)
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -117,16 +118,15 @@ VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, 
   }
 }
 
-// Splits the n outputs over the pool in blocks of 64 (whole cache lines of y), unless
-// the matrix is small enough that one core's share would not cover a hand-off.
-void split(int k, int n, const std::function<void(int, int)>& part) {
-  int parts = static_cast<int64_t>(k) * n < (1 << 16) ? 1 : emily::pool::parts();
-  int blocks = (n + 63) / 64;
-  if (parts > blocks) parts = blocks;
-  emily::pool::run(parts, [&](int p) {
-    int from = static_cast<int>(static_cast<int64_t>(blocks) * p / parts) * 64;
-    int to = static_cast<int>(static_cast<int64_t>(blocks) * (p + 1) / parts) * 64;
-    part(from, to < n ? to : n);
+// Splits the n outputs over the pool in chunks of at least 64K weights: for a matrix read
+// by rows, of at least 512 columns (each row's share long enough to stream), and for one
+// read by columns, whole columns; both whole cache lines of y. A small matrix is one chunk.
+void split(int k, int n, bool by_rows, const std::function<void(int, int)>& part) {
+  int64_t columns = std::max<int64_t>(by_rows ? 512 : 64, ((65536 / std::max(k, 1)) + 63) / 64 * 64);
+  int chunks = emily::pool::parts() == 1 ? 1 : static_cast<int>((n + columns - 1) / columns);
+  emily::pool::run(chunks, [&](int c) {
+    int64_t from = c * columns, to = chunks == 1 ? n : std::min<int64_t>(n, from + columns);
+    part(static_cast<int>(from), static_cast<int>(to));
   });
 }
 #endif
@@ -164,7 +164,7 @@ class RowGemv : public mx::UnaryPrimitive {
 #if EMILY_GEMV_KERNEL
       if ((rows || cols) && kernels::vector_cpu()) {
         auto part = rows ? rows_part<float> : cols_part<float>;
-        split(k, n, [&](int j0, int j1) { part(xp, bp, rows ? sk : sn, yp, k, j0, j1); });
+        split(k, n, rows, [&](int j0, int j1) { part(xp, bp, rows ? sk : sn, yp, k, j0, j1); });
         return;
       }
 #endif
@@ -220,7 +220,7 @@ class RowGemvBf16 : public mx::UnaryPrimitive {
       for (int i = 0; i < k; i++) xs[i] = load1(xp + i * incx);
       if (rows || cols) {
         auto part = rows ? rows_part<uint16_t> : cols_part<uint16_t>;
-        split(k, n, [&](int j0, int j1) { part(xs.data(), bp, rows ? sk : sn, ys.data(), k, j0, j1); });
+        split(k, n, rows, [&](int j0, int j1) { part(xs.data(), bp, rows ? sk : sn, ys.data(), k, j0, j1); });
       } else {
         for (int j = 0; j < n; j++) {
           float sum = 0.0f;

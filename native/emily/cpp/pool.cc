@@ -2,8 +2,8 @@
 // from memory (a decoding step's matrix-vector products) needs every core to reach the
 // memory's bandwidth. These helpers are started once, never touch MLX (so they leave no
 // stream behind) and are never stopped: at exit they are idle, waiting for work. A helper
-// spins briefly before it sleeps, since a decoding step hands them one product after
-// another, microseconds apart.
+// spins for a millisecond before it sleeps: a decoding step hands them one product after
+// another, a few other kernels apart, and waking a sleeping thread costs more than that.
 #include "pool.h"
 
 #include <atomic>
@@ -31,34 +31,50 @@ namespace {
 class Pool {
  public:
   explicit Pool(int helpers) : helpers_(helpers) {
-    for (int h = 0; h < helpers; h++) std::thread([this, h] { loop(h + 1); }).detach();
+    for (int h = 0; h < helpers; h++) std::thread([this] { loop(); }).detach();
   }
 
   int size() const { return helpers_ + 1; }
 
-  // (Callers on several streams take turns.)
+  // The caller and the helpers claim parts one at a time, so a helper that wakes late
+  // takes fewer, and the caller waits only for the parts under way. (Callers on several
+  // streams take turns.)
   void run(int n, const std::function<void(int)>& part) {
     std::lock_guard<std::mutex> one_at_a_time(caller_);
-    int shared = n < size() ? n : size();
+    part_.store(&part, std::memory_order_relaxed);
+    n_.store(n, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t g = ++runs_;
+    ticket_.store(g << 32, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      part_ = &part;
-      n_ = shared;
-      pending_.store(shared - 1, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
+      generation_.store(g, std::memory_order_release);
     }
     wake_.notify_all();
-    part(0);
-    for (int i = shared; i < n; i++) part(i);
-    while (pending_.load(std::memory_order_acquire) > 0) EMILY_PAUSE();
+    work(g);
+    while (done_.load(std::memory_order_acquire) < n) EMILY_PAUSE();
   }
 
  private:
-  void loop(int index) {
+  // Claims and runs parts of run `g` until none is left. A ticket holds the run's number
+  // and the next part: a helper still holding an earlier run's number claims nothing.
+  void work(uint64_t g) {
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      if ((t >> 32) != g) return;
+      auto i = static_cast<int>(t & 0xFFFFFFFFu);
+      if (i >= n_.load(std::memory_order_relaxed)) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+      (*part_.load(std::memory_order_relaxed))(i);
+      done_.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  void loop() {
     uint64_t seen = 0;
     for (;;) {
       uint64_t g = seen;
-      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+      auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(1000);
       while ((g = generation_.load(std::memory_order_acquire)) == seen && std::chrono::steady_clock::now() < until) {
         EMILY_PAUSE();
       }
@@ -67,21 +83,17 @@ class Pool {
         wake_.wait(lock, [&] { return (g = generation_.load(std::memory_order_acquire)) != seen; });
       }
       seen = g;
-      // Parts past this run's count (a run of fewer parts than helpers) are not ours.
-      if (index < n_) {
-        (*part_)(index);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
-      }
+      work(g);
     }
   }
 
   const int helpers_;
   std::mutex caller_, mutex_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
-  const std::function<void(int)>* part_ = nullptr;
-  int n_ = 0;
+  std::atomic<uint64_t> generation_{0}, ticket_{0};
+  std::atomic<int> n_{0}, done_{0};
+  std::atomic<const std::function<void(int)>*> part_{nullptr};
+  uint64_t runs_ = 0;
 };
 
 int configured_parts() {
@@ -104,8 +116,8 @@ Pool& pool() {
 int parts() { return pool().size(); }
 
 void run(int n, const std::function<void(int)>& part) {
-  if (n <= 1) {
-    if (n == 1) part(0);
+  if (n <= 1 || pool().size() == 1) {
+    for (int i = 0; i < n; i++) part(i);
     return;
   }
   pool().run(n, part);

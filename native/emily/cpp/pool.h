@@ -5,12 +5,12 @@
 
 namespace emily::pool {
 
-// The number of parts `run` splits work into: OpenBLAS's thread count (its
-// OPENBLAS_NUM_THREADS), so that Emily's kernels use the cores its BLAS calls do.
+// The threads `run` spreads work over, the caller's included: OpenBLAS's thread count
+// (its OPENBLAS_NUM_THREADS), so that Emily's kernels use the cores its BLAS calls do.
 int parts();
 
-// Calls `part(i)` for i in [0, n), part 0 on the calling thread and the others on
-// helpers, and returns when all are done. `part` must not call MLX.
+// Calls `part(i)` for each i in [0, n), on the calling thread and the helpers, each
+// part on one of them, and returns when all are done. `part` must not call MLX.
 void run(int n, const std::function<void(int)>& part);
 
 }  // namespace emily::pool
