@@ -257,6 +257,20 @@ defmodule Emily.Native.FastTest do
         expect = ref_sdpa(q, k, v, 0.25, {:bool, t(keep, :bool, {lq, lk})})
         assert_close(l(y), l(expect), 1.0e-5)
       end
+
+      # More queries than keys: the first rows see no key, and get the values' mean (the
+      # causal mask is the type's lowest value, as MLX's).
+      k3 = N.slice(s(), k, [0, 0, 0, 0], [b, hk, 3, d], [1, 1, 1, 1])
+      v3 = N.slice(s(), v, [0, 0, 0, 0], [b, hk, 3, d], [1, 1, 1, 1])
+
+      for lq <- [5, 11] do
+        q = t(seq(b * hq * lq * d, &:math.sin(&1 * 0.9)), {:f, 32}, {b, hq, lq, d})
+        lowest = -3.4028234663852886e38
+        add = for i <- 0..(lq - 1), j <- 0..2, do: if(j <= i + 3 - lq, do: 0.0, else: lowest)
+        y = N.scaled_dot_product_attention(s(), q, k3, v3, 0.25, "causal", nil, nil)
+        expect = ref_sdpa(q, k3, v3, 0.25, {:add, t(add, {:f, 32}, {lq, 3})})
+        assert_close(l(y), l(expect), 1.0e-5)
+      end
     end
 
     test "sinks against the composition with an extra softmax column" do

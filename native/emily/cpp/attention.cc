@@ -145,8 +145,9 @@ class DecodeAttention : public mx::Primitive {
           for (int c = 0; c < d; c++) qs[c] = scale * qr[c * qv.s3];
           for (int j = 0; j < keys; j++) scores[j] = dot(qs.data(), kv.row(b, kh, j), kv.s3, d);
           if (causal) {
-            // Aligned to the end of the keys, as MLX's causal mask.
-            for (int j = i + (keys - rows) + 1; j < keys; j++) scores[j] = lowest;
+            // Aligned to the end of the keys, as MLX's causal mask (with more queries than
+            // keys, the first see none, and get the mean of the values, as MLX's do).
+            for (int j = std::max(0, i + (keys - rows) + 1); j < keys; j++) scores[j] = lowest;
           } else if (m) {
             auto& st = m->strides();
             int64_t base = b * st[0] + h * st[1] + i * st[2];

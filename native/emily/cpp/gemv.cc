@@ -131,6 +131,7 @@ void split(int k, int n, bool by_rows, const std::function<void(int, int)>& part
 }
 #endif
 
+// x (1, K) times b (K, N), f32 or (where the kernel runs) bf16.
 class RowGemv : public mx::UnaryPrimitive {
  public:
   explicit RowGemv(mx::Stream s) : mx::UnaryPrimitive(s) {}
@@ -143,42 +144,22 @@ class RowGemv : public mx::UnaryPrimitive {
     // b's element (i, j) at i * sk + j * sn: row-major with leading dimension sk (b
     // itself), or column-major with leading dimension sn (the transpose of a row-major
     // (N, K) weight, as Transformers-layout checkpoints give it); anything else (a
-    // broadcast, a strided slice) is copied to row-major first.
-    const bool rows = sn == 1 && sk >= n;
-    const bool cols = sk == 1 && sn >= k;
+    // broadcast, a strided slice) is read element by element.
+    const Layout layout{k, n, sk, sn, sn == 1 && sk >= n, sk == 1 && sn >= k};
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_input_array(b);
     encoder.set_output_array(out);
-    encoder.dispatch([xp = x.data<float>(), incx = x.strides(1), bp = b.data<float>(), yp = out.data<float>(),
-                                      k, n, sk, sn, rows, cols]() mutable {
-      std::vector<float> xs;
-      if (incx != 1) {
-        // (A broadcast row has stride 0, which BLAS does not take.)
-        xs.resize(k);
-        for (int i = 0; i < k; i++) xs[i] = xp[i * incx];
-        xp = xs.data();
-        incx = 1;
-      }
 #if EMILY_GEMV_KERNEL
-      if ((rows || cols) && kernels::vector_cpu()) {
-        auto part = rows ? rows_part<float> : cols_part<float>;
-        split(k, n, rows, [&](int j0, int j1) { part(xp, bp, rows ? sk : sn, yp, k, j0, j1); });
-        return;
-      }
+    if (x.dtype() == mx::bfloat16) {
+      encoder.dispatch([xp = x.data<uint16_t>(), incx = x.strides(1), bp = b.data<uint16_t>(),
+                        yp = out.data<uint16_t>(), layout]() { bf16(xp, incx, bp, yp, layout); });
+      return;
+    }
 #endif
-      if (rows) {
-        cblas_sgemv(CblasRowMajor, CblasTrans, k, n, 1.0f, bp, sk, xp, incx, 0.0f, yp, 1);
-      } else if (cols) {
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, bp, sn, xp, incx, 0.0f, yp, 1);
-      } else {
-        std::vector<float> dense(static_cast<size_t>(k) * n);
-        for (int i = 0; i < k; i++)
-          for (int j = 0; j < n; j++) dense[static_cast<size_t>(i) * n + j] = bp[i * sk + j * sn];
-        cblas_sgemv(CblasRowMajor, CblasTrans, k, n, 1.0f, dense.data(), n, xp, incx, 0.0f, yp, 1);
-      }
-    });
+    encoder.dispatch([xp = x.data<float>(), incx = x.strides(1), bp = b.data<float>(), yp = out.data<float>(),
+                      layout]() { f32(xp, incx, bp, yp, layout); });
   }
 
   void eval_gpu(const std::vector<array>&, array&) override {
@@ -192,59 +173,63 @@ class RowGemv : public mx::UnaryPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
     return {{1, inputs[1].shape(1)}};
   }
-};
-
-#if EMILY_GEMV_KERNEL
-// The same product of bf16 operands (MLX's CPU bf16 matmul, which has no BLAS, runs on
-// one thread at a few GFLOP/s): x widened to f32, the sums in f32 and rounded to bf16 at
-// the end, as MLX's own bf16 products round.
-class RowGemvBf16 : public mx::UnaryPrimitive {
- public:
-  explicit RowGemvBf16(mx::Stream s) : mx::UnaryPrimitive(s) {}
-
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
-    const array& x = inputs[0];
-    const array& b = inputs[1];
-    const int k = b.shape(0), n = b.shape(1);
-    const auto sk = b.strides(0), sn = b.strides(1);
-    const bool rows = sn == 1 && sk >= n;
-    const bool cols = sk == 1 && sn >= k;
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(b);
-    encoder.set_output_array(out);
-    encoder.dispatch([xp = x.data<uint16_t>(), incx = x.strides(1), bp = b.data<uint16_t>(),
-                      yp = out.data<uint16_t>(), k, n, sk, sn, rows, cols]() {
-      std::vector<float> xs(k), ys(n);
-      for (int i = 0; i < k; i++) xs[i] = load1(xp + i * incx);
-      if (rows || cols) {
-        auto part = rows ? rows_part<uint16_t> : cols_part<uint16_t>;
-        split(k, n, rows, [&](int j0, int j1) { part(xs.data(), bp, rows ? sk : sn, ys.data(), k, j0, j1); });
-      } else {
-        for (int j = 0; j < n; j++) {
-          float sum = 0.0f;
-          for (int i = 0; i < k; i++) sum = std::fma(xs[i], load1(bp + i * sk + j * sn), sum);
-          ys[j] = sum;
-        }
-      }
-      for (int j = 0; j < n; j++) yp[j] = to_bf16(ys[j]);
-    });
-  }
-
-  void eval_gpu(const std::vector<array>&, array&) override {
-    throw std::runtime_error("[dot] the CPU gemv product has no GPU kernel");
-  }
-
-  const char* name() const override { return "EmilyRowGemvBf16"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override { return typeid(other) == typeid(*this); }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
-    return {{1, inputs[1].shape(1)}};
-  }
 
  private:
+  struct Layout {
+    int k, n;
+    int64_t sk, sn;
+    bool rows, cols;
+  };
+
+  static void f32(const float* xp, int64_t incx, const float* bp, float* yp, const Layout& l) {
+    const int k = l.k, n = l.n;
+    std::vector<float> xs;
+    if (incx != 1) {
+      // (A broadcast row has stride 0, which BLAS does not take.)
+      xs.resize(k);
+      for (int i = 0; i < k; i++) xs[i] = xp[i * incx];
+      xp = xs.data();
+    }
+#if EMILY_GEMV_KERNEL
+    if ((l.rows || l.cols) && kernels::vector_cpu()) {
+      auto part = l.rows ? rows_part<float> : cols_part<float>;
+      split(k, n, l.rows, [&](int j0, int j1) { part(xp, bp, l.rows ? l.sk : l.sn, yp, k, j0, j1); });
+      return;
+    }
+#endif
+    if (l.rows) {
+      cblas_sgemv(CblasRowMajor, CblasTrans, k, n, 1.0f, bp, l.sk, xp, 1, 0.0f, yp, 1);
+    } else if (l.cols) {
+      cblas_sgemv(CblasRowMajor, CblasNoTrans, n, k, 1.0f, bp, l.sn, xp, 1, 0.0f, yp, 1);
+    } else {
+      std::vector<float> dense(static_cast<size_t>(k) * n);
+      for (int i = 0; i < k; i++)
+        for (int j = 0; j < n; j++) dense[static_cast<size_t>(i) * n + j] = bp[i * l.sk + j * l.sn];
+      cblas_sgemv(CblasRowMajor, CblasTrans, k, n, 1.0f, dense.data(), n, xp, 1, 0.0f, yp, 1);
+    }
+  }
+
+#if EMILY_GEMV_KERNEL
+  // bf16 operands (MLX's CPU bf16 matmul, which has no BLAS, runs on one thread at a few
+  // GFLOP/s): x widened to f32, the sums in f32 and rounded to bf16 at the end, as MLX's
+  // own bf16 products round.
+  static void bf16(const uint16_t* xp, int64_t incx, const uint16_t* bp, uint16_t* yp, const Layout& l) {
+    const int k = l.k, n = l.n;
+    std::vector<float> xs(k), ys(n);
+    for (int i = 0; i < k; i++) xs[i] = load1(xp + i * incx);
+    if (l.rows || l.cols) {
+      auto part = l.rows ? rows_part<uint16_t> : cols_part<uint16_t>;
+      split(k, n, l.rows, [&](int j0, int j1) { part(xs.data(), bp, l.rows ? l.sk : l.sn, ys.data(), k, j0, j1); });
+    } else {
+      for (int j = 0; j < n; j++) {
+        float sum = 0.0f;
+        for (int i = 0; i < k; i++) sum = std::fma(xs[i], load1(bp + i * l.sk + j * l.sn), sum);
+        ys[j] = sum;
+      }
+    }
+    for (int j = 0; j < n; j++) yp[j] = to_bf16(ys[j]);
+  }
+
   // Round to nearest even; NaN stays NaN.
   static uint16_t to_bf16(float f) {
     uint32_t bits;
@@ -252,8 +237,8 @@ class RowGemvBf16 : public mx::UnaryPrimitive {
     if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
     return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
   }
-};
 #endif
+};
 
 }  // namespace
 
@@ -270,12 +255,7 @@ bool row_gemv_applies(const array& x, const array& b, const Stream& s) {
 }
 
 array row_gemv(const array& x, const array& b, const Stream& s) {
-#if EMILY_GEMV_KERNEL
-  if (x.dtype() == mx::bfloat16) {
-    return array({1, b.shape(1)}, mx::bfloat16, std::make_shared<RowGemvBf16>(s), {x, b});
-  }
-#endif
-  return array({1, b.shape(1)}, mx::float32, std::make_shared<RowGemv>(s), {x, b});
+  return array({1, b.shape(1)}, x.dtype(), std::make_shared<RowGemv>(s), {x, b});
 }
 #else
 bool row_gemv_applies(const array&, const array&, const Stream&) { return false; }
