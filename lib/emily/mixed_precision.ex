@@ -38,8 +38,9 @@ if Code.ensure_loaded?(Nx) do
     `step_state.loss_scale_state` (`%{loss_scale: f32, counter: s64}`), readable from
     any `Axon.Loop` event handler.
 
-    On Emily, bf16 runs natively on every device; on the CPU, MLX's bf16 matmul does
-    not go through BLAS, so there mixed precision saves memory rather than time.
+    On Emily, bf16 runs natively on every device. On the CPU, Emily computes bf16
+    products in f32 (through BLAS, rounded once to bf16), and MLX's other bf16 kernels
+    are no faster than f32 ones, so there mixed precision saves memory rather than time.
     """
 
     @compile {:no_warn_undefined,
