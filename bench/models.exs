@@ -92,33 +92,7 @@ if Code.ensure_loaded?(Bumblebee) do
           end)
 
         rss_loaded = D.rss_peak_mb()
-        {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, dir})
-        # The Python sides are given the prompt's bytes as its ids.
-        tokens = Bumblebee.apply_tokenizer(tokenizer, prompt)["input_ids"] |> Nx.to_flat_list()
-
-        if tokens != :binary.bin_to_list(prompt),
-          do: raise("#{dir}: the tokenizer is not bench/make_models.py's byte-level one")
-
-        {:ok, config} = Bumblebee.load_generation_config({:local, dir})
-
-        config =
-          Bumblebee.configure(config,
-            max_new_tokens: new,
-            eos_token_id: nil,
-            pad_token_id: info.spec.pad_token_id || 151_643
-          )
-
-        serving =
-          Bumblebee.Text.generation(info, tokenizer, config,
-            compile: [batch_size: 1, sequence_length: byte_size(prompt)],
-            defn_options: [compiler: Emily.Compiler] ++ defn_options
-          )
-          |> Nx.Serving.client_postprocessing(fn {%{token_ids: ids}, _meta}, _info ->
-            Nx.to_flat_list(ids)
-          end)
-
-        name = :"bench_models_#{System.unique_integer([:positive])}"
-        {:ok, pid} = Nx.Serving.start_link(serving: serving, name: name, batch_size: 1)
+        {pid, name} = D.start_generation(info, dir, prompt, new, defn_options)
         # The serving holds the parameters; the loaded copy here is dropped.
         info = nil
         _ = info

@@ -156,32 +156,7 @@ if Code.ensure_loaded?(Bumblebee) do
         mlx_loaded = Emily.Memory.stats()
         rss_load = D.rss_peak_mb()
 
-        {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, dir})
-        tokens = Bumblebee.apply_tokenizer(tokenizer, prompt)["input_ids"] |> Nx.to_flat_list()
-
-        if tokens != :binary.bin_to_list(prompt),
-          do: raise("#{dir}: the tokenizer is not bench/make_models.py's byte-level one")
-
-        {:ok, config} = Bumblebee.load_generation_config({:local, dir})
-
-        config =
-          Bumblebee.configure(config,
-            max_new_tokens: new,
-            eos_token_id: nil,
-            pad_token_id: info.spec.pad_token_id || 151_643
-          )
-
-        serving =
-          Bumblebee.Text.generation(info, tokenizer, config,
-            compile: [batch_size: 1, sequence_length: byte_size(prompt)],
-            defn_options: [compiler: Emily.Compiler]
-          )
-          |> Nx.Serving.client_postprocessing(fn {%{token_ids: ids}, _meta}, _info ->
-            Nx.to_flat_list(ids)
-          end)
-
-        name = :"bench_quantized_#{System.unique_integer([:positive])}"
-        {:ok, pid} = Nx.Serving.start_link(serving: serving, name: name, batch_size: 1)
+        {pid, name} = D.start_generation(info, dir, prompt, new)
         # The serving holds the parameters; the copy here is dropped.
         info = nil
         _ = info

@@ -55,6 +55,41 @@ defmodule Bench.Decode do
 
   def agreement(_, _), do: "—"
 
+  # Starts a greedy `Bumblebee.Text.generation` serving of `new` tokens (no end token) on
+  # Emily.Compiler for the model `info` loaded from `dir`, batch 1 and `prompt`'s length,
+  # whose postprocessing returns the token ids: `{pid, name}`. The Python sides are given
+  # the prompt's bytes as its ids, so the checkpoint's tokenizer must be
+  # bench/make_models.py's byte-level one.
+  def start_generation(info, dir, prompt, new, defn_options \\ []) do
+    {:ok, tokenizer} = Bumblebee.load_tokenizer({:local, dir})
+    tokens = Bumblebee.apply_tokenizer(tokenizer, prompt)["input_ids"] |> Nx.to_flat_list()
+
+    if tokens != :binary.bin_to_list(prompt),
+      do: raise("#{dir}: the tokenizer is not bench/make_models.py's byte-level one")
+
+    {:ok, config} = Bumblebee.load_generation_config({:local, dir})
+
+    config =
+      Bumblebee.configure(config,
+        max_new_tokens: new,
+        eos_token_id: nil,
+        pad_token_id: info.spec.pad_token_id || 151_643
+      )
+
+    serving =
+      Bumblebee.Text.generation(info, tokenizer, config,
+        compile: [batch_size: 1, sequence_length: byte_size(prompt)],
+        defn_options: [compiler: Emily.Compiler] ++ defn_options
+      )
+      |> Nx.Serving.client_postprocessing(fn {%{token_ids: ids}, _meta}, _info ->
+        Nx.to_flat_list(ids)
+      end)
+
+    name = :"bench_generation_#{System.unique_integer([:positive])}"
+    {:ok, pid} = Nx.Serving.start_link(serving: serving, name: name, batch_size: 1)
+    {pid, name}
+  end
+
   # Stops a started serving and waits until it is down.
   def stop(pid) do
     Process.unlink(pid)
