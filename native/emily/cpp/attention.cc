@@ -59,11 +59,7 @@ EMILY_VECTOR float dot(const float* a, const float* b, int64_t sb, int n) {
       a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
     }
     for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-    __m256 acc = _mm256_add_ps(a0, a1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    sum = _mm_cvtss_f32(h);
+    sum = sum8(_mm256_add_ps(a0, a1));
   } else {
     sum = 0.0f;
   }

@@ -29,7 +29,7 @@
 #include "pool.h"
 #endif
 #if defined(__linux__) && defined(__x86_64__)
-#include <immintrin.h>
+#include "vector.h"
 #define EMILY_GEMV_KERNEL 1
 #endif
 
@@ -40,11 +40,10 @@ namespace mx = mlx::core;
 namespace {
 
 #if EMILY_GEMV_KERNEL
-#define VECTOR __attribute__((target("avx2,fma")))
 
 // Weights are f32 or bf16 (its bits, widened to f32 exactly); x and the sums are f32.
-VECTOR inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-VECTOR inline __m256 load8(const uint16_t* p) {
+EMILY_VECTOR inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+EMILY_VECTOR inline __m256 load8(const uint16_t* p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
@@ -59,7 +58,7 @@ inline float load1(const uint16_t* p) {
 // y[j0, j1) of x (k) times b (k, n), row i of b at b + i * ldb: four rows at a time, each
 // output summed over the rows in order.
 template <typename W>
-VECTOR void rows_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
+EMILY_VECTOR void rows_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
   int j = j0;
   for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(y + j, _mm256_setzero_ps());
   for (; j < j1; j++) y[j] = 0.0f;
@@ -96,7 +95,7 @@ VECTOR void rows_part(const float* x, const W* b, int64_t ldb, float* y, int k, 
 // y[j0, j1) of x (k) times b (k, n) stored by columns, column j at b + j * ldb (the
 // transpose of a row-major (n, k) weight): each output a dot product over k.
 template <typename W>
-VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
+EMILY_VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
   for (int j = j0; j < j1; j++) {
     const W* c = b + j * ldb;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -108,11 +107,7 @@ VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, 
       a3 = _mm256_fmadd_ps(load8(c + i + 24), _mm256_loadu_ps(x + i + 24), a3);
     }
     for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(load8(c + i), _mm256_loadu_ps(x + i), a0);
-    __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    float sum = _mm_cvtss_f32(h);
+    float sum = kernels::vec::sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
     for (; i < k; i++) sum = std::fma(load1(c + i), x[i], sum);
     y[j] = sum;
   }

@@ -48,6 +48,14 @@ EMILY_VECTOR inline __m256 exp8(__m256 x0) {
   return _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(x0, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
 }
 
+// The sum of the eight lanes.
+EMILY_VECTOR inline float sum8(__m256 a) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
 EMILY_VECTOR inline __m256 abs8(__m256 x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
 
 // detail::Sigmoid (cpu/unary_ops.h): y = 1 / (1 + exp(|x|)), y below zero, 1 - y above.
