@@ -231,13 +231,64 @@ defmodule Emily.Native.FastTest do
       y = N.scaled_dot_product_attention(s(), q, k, v, scale, "causal", nil, nil)
       assert_close(l(y), l(ref_sdpa(q, k, v, scale, {:bool, causal_mask})), 1.0e-5)
 
+      # Array masks: the references in f32 on the CPU stream, since on a GPU these run
+      # Emily's attention kernel (f32) and MLX's composition multiplies f32 as TF32.
       bool_mask = t(for(i <- 0..(lq * lk - 1), do: rem(i, 3) != 1), :bool, {1, 1, lq, lk})
       y = N.scaled_dot_product_attention(s(), q, k, v, scale, "array", bool_mask, nil)
-      assert_close(l(y), l(ref_sdpa(q, k, v, scale, {:bool, bool_mask})), 1.0e-5)
+      expect = with_cpu(fn -> l(ref_sdpa(q, k, v, scale, {:bool, bool_mask})) end)
+      assert_close(l(y), expect, 1.0e-5)
 
       add_mask = t(seq(hq * lq * lk, &(-rem(&1, 4) * 0.5)), {:f, 32}, {hq, lq, lk})
       y = N.scaled_dot_product_attention(s(), q, k, v, scale, "array", add_mask, nil)
-      assert_close(l(y), l(ref_sdpa(q, k, v, scale, {:add, add_mask})), 1.0e-5)
+      expect = with_cpu(fn -> l(ref_sdpa(q, k, v, scale, {:add, add_mask})) end)
+      assert_close(l(y), expect, 1.0e-5)
+    end
+
+    # On MLX's CUDA backend a decoding step's attention with an array mask is Emily's
+    # kernel (cpp/cuda_attention.cc): Bumblebee's shapes (a [B, L, heads, D] cache read
+    # transposed, grouped-query heads, a [B, 1, 1, L] padding mask over a cache longer
+    # than the warps' stride), bool and additive masks and one that hides every key, in
+    # f32, bf16 and f16, against the CPU stream's f32 on the same rounded values.
+    @tag :gpu
+    test "a decoding step with an array mask on a GPU, against the CPU" do
+      gpu = Emily.Stream.default(:gpu)
+      {b, hq, hk, lk, d} = {2, 8, 2, 301, 128}
+      keep = for bi <- 0..(b - 1), j <- 0..(lk - 1), do: j < 200 + 50 * bi
+      lowest = -3.4028234663852886e38
+
+      on = fn list, type, shape, stream ->
+        Emily.from_list(list, type, shape: shape, stream: stream)
+      end
+
+      rounded = fn list, type -> l(Emily.from_list(list, type)) end
+
+      for type <- [{:f, 32}, {:bf, 16}, {:f, 16}], lq <- [1, 8] do
+        q = rounded.(seq(b * hq * lq * d, &:math.cos(&1 * 1.3)), type)
+        k0 = rounded.(seq(b * lk * hk * d, &:math.sin(&1 * 0.37)), type)
+        v0 = rounded.(seq(b * lk * hk * d, &:math.cos(&1 * 0.11)), type)
+
+        run = fn stream, type ->
+          cache = &N.transpose(stream, on.(&1, type, {b, lk, hk, d}, stream), [0, 2, 1, 3])
+          {qs, ks, vs} = {on.(q, type, {b, hq, lq, d}, stream), cache.(k0), cache.(v0)}
+          bool = on.(keep, :bool, {b, 1, 1, lk}, stream)
+
+          add =
+            on.(Enum.map(keep, &if(&1, do: 0.0, else: lowest)), {:f, 32}, {b, 1, 1, lk}, stream)
+
+          # No key seen: every row gets the values' mean, as the composition gives.
+          none = on.(Enum.map(keep, fn _ -> false end), :bool, {b, 1, 1, lk}, stream)
+
+          for mask <- [bool, N.astype(stream, add, type), none] do
+            l(N.scaled_dot_product_attention(stream, qs, ks, vs, 0.088, "array", mask, nil))
+          end
+        end
+
+        tol = %{{:f, 32} => 1.0e-5, {:bf, 16} => 1.0e-2, {:f, 16} => 2.0e-3}[type]
+
+        for {got, want} <- Enum.zip(run.(gpu, type), run.(cpu(), {:f, 32})) do
+          assert_close(got, want, tol)
+        end
+      end
     end
 
     # On an x86-64 CPU, up to 8 query rows run Emily's decoding kernel, which reads k and

@@ -377,6 +377,81 @@ defmodule Emily.Native.LinalgTest do
     end
   end
 
+  # On MLX's CUDA backend a few rows times a (K, N) weight are one Emily kernel
+  # (cpp/cuda_gemv.cc), past 8 rows MLX's matmul; an (N, K) weight contracted on its
+  # second axis is MLX's own gemv. Every case against the Elixir oracle on the same
+  # values, with a column tail (515 is not a multiple of the kernel's 64-column tiles).
+  describe "dot of a few rows on a GPU" do
+    setup do
+      k = 301
+      n = 515
+      %{k: k, n: n, gpu: Emily.Stream.default(:gpu)}
+    end
+
+    defp g(list, type, shape, gpu), do: Emily.from_list(list, type, shape: shape, stream: gpu)
+
+    # The largest error a type's rounding of the result allows, plus f32's summation.
+    # Emily's kernel sums f32 products in f32; cuBLAS (MLX's f32 matmul) uses TF32, whose
+    # inputs keep 10 bits.
+    defp bound({:f, 32}, expect), do: Enum.max(Enum.map(expect, &abs/1)) * 1.0e-4
+    defp bound(:tf32, expect), do: Enum.max(Enum.map(expect, &abs/1)) / 128
+    defp bound({:bf, 16}, expect), do: Enum.max(Enum.map(expect, &abs/1)) / 256
+    defp bound({:f, 16}, expect), do: Enum.max(Enum.map(expect, &abs/1)) / 1024
+
+    defp matmul({:f, 32}), do: :tf32
+    defp matmul(type), do: type
+
+    # {true, _} where every element is within the bound, else {false, the worst error}.
+    defp within(out, expect, type) do
+      b = bound(type, List.flatten(expect))
+      errors = Enum.zip_with(l(out), List.flatten(expect), &abs(&1 - &2))
+      {Enum.max(errors) <= b, %{worst: Enum.max(errors), bound: b}}
+    end
+
+    defp within?(out, expect, type), do: elem(within(out, expect, type), 0)
+
+    @tag :gpu
+    test "1 to 9 rows, f32, bf16 and f16, both weight layouts", %{k: k, n: n, gpu: gpu} do
+      for type <- [{:f, 32}, {:bf, 16}, {:f, 16}], m <- [1, 3, 8, 9] do
+        x = g(for(i <- 1..(m * k), do: :math.sin(i * 0.3)), type, {m, k}, gpu)
+        w = g(for(i <- 1..(k * n), do: :math.cos(i * 0.011)), type, {k, n}, gpu)
+        expect = mm(rows(l(x), k), rows(l(w), n))
+
+        out = N.dot(gpu, x, [1], [], w, [0], [])
+        assert Emily.shape(out) == {m, n} and Emily.dtype(out) == type
+        kernel = if m <= 8, do: type, else: matmul(type)
+        {ok, err} = within(out, expect, kernel)
+        assert ok, "#{inspect(type)}, #{m} rows, (K, N) weight: #{inspect(err)}"
+
+        # MLX's gemv for one row, its matmul for more.
+        wt = g(l(N.transpose(gpu, w, [1, 0])), type, {n, k}, gpu)
+        mlx = if m == 1, do: type, else: matmul(type)
+        {ok, err} = within(N.dot(gpu, x, [1], [], wt, [1], []), expect, mlx)
+        assert ok, "#{inspect(type)}, #{m} rows, (N, K) weight: #{inspect(err)}"
+      end
+    end
+
+    @tag :gpu
+    test "a lazy weight, a strided row and a batch of one token", %{k: k, n: n, gpu: gpu} do
+      x = g(for(i <- 1..k, do: :math.sin(i * 0.3)), {:f, 32}, {1, k}, gpu)
+      w = g(for(i <- 1..(k * n), do: :math.cos(i * 0.011)), {:f, 32}, {k, n}, gpu)
+      expect = mm(rows(l(x), k), rows(l(w), n))
+
+      # Computed in the same graph: its layout is unknown when the product is built.
+      lazy = N.multiply(gpu, w, N.full(gpu, {}, 1.0, {:f, 32}))
+      assert within?(N.dot(gpu, x, [1], [], lazy, [0], []), expect, {:f, 32})
+
+      # Every other element of a wider row: copied to rows before the kernel reads it.
+      wide = g(Enum.flat_map(l(x), &[&1, -5.0]), {:f, 32}, {1, 2 * k}, gpu)
+      xs = N.slice(gpu, wide, [0, 0], [1, 2 * k], [1, 2])
+      assert within?(N.dot(gpu, xs, [1], [], w, [0], []), expect, {:f, 32})
+
+      out = N.dot(gpu, N.reshape(gpu, x, {1, 1, k}), [2], [], w, [0], [])
+      assert Emily.shape(out) == {1, 1, n}
+      assert within?(out, expect, {:f, 32})
+    end
+  end
+
   # A CPU stream multiplies bf16 and f16 matrices through f32 (MLX's own half matmul has
   # no BLAS): the f32 sums of the half values, rounded once.
   test "bf16 and f16 products of several rows" do

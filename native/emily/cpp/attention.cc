@@ -8,13 +8,14 @@
 // strides instead: for each (batch, head, row) the scaled dot products with every key,
 // the mask, MLX's softmax, and the weighted sum of the values in key order; in f32 like
 // the composition, with its sums in another order. Grouped-query heads read their
-// key/value head in place.
+// key/value head in place. (On MLX's CUDA backend: cuda_attention.cc.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "cuda_kernels.h"
 #include "kernels.h"
 #include "pool.h"
 #include "vector.h"
@@ -175,6 +176,7 @@ array attention(const array& q, const array& k, const array& v, float scale, con
   // MLX's call checks the arguments (with its messages) and, on the CPU, builds the
   // composition below; where this one is taken, MLX's graph is dropped unevaluated.
   auto ref = mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask, sinks, false, s);
+  if (cuda_attention_applies(q, k, v, mask_mode, mask, sinks, s)) return cuda_attention(q, k, v, scale, *mask, s);
   bool floats = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32 &&
                 (!mask || mask->dtype() == mx::float32 || mask->dtype() == mx::bool_);
   if (s.device != mx::Device::cpu || !vector_cpu() || !floats || sinks) return ref;
@@ -231,7 +233,9 @@ array attention(const array& q, const array& k, const array& v, float scale, con
 
 array attention(const array& q, const array& k, const array& v, float scale, const std::string& mask_mode,
                 const std::optional<array>& mask, const std::optional<array>& sinks, const Stream& s) {
-  return mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask, sinks, false, s);
+  auto ref = mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask, sinks, false, s);
+  if (cuda_attention_applies(q, k, v, mask_mode, mask, sinks, s)) return cuda_attention(q, k, v, scale, *mask, s);
+  return ref;
 }
 
 #endif

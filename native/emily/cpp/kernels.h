@@ -26,7 +26,8 @@ array softmax(const array& a, const std::vector<int>& axes, bool precise, const 
 
 // mx::fast::scaled_dot_product_attention without sinks on a CPU stream, which MLX
 // computes as a composition of ops around a softmax: the same composition with `softmax`
-// above. Any other call is MLX's.
+// above. On MLX's CUDA backend a decoding step with an array mask is `cuda_attention`
+// (cuda_kernels.h). Any other call is MLX's.
 array attention(const array& q, const array& k, const array& v, float scale, const std::string& mask_mode,
                 const std::optional<array>& mask, const std::optional<array>& sinks, const Stream& s);
 

@@ -1,6 +1,7 @@
 // Products composed from MLX ops (see linalg.h).
 #include "linalg.h"
 
+#include "cuda_kernels.h"
 #include "gemv.h"
 
 #include <algorithm>
@@ -165,6 +166,7 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
   // the wrapped result is the same since products and sums wrap modulo the same 2^n.
   auto out = !inexact                          ? mx::astype(int_bmm(at, bt, s), type, s)
              : batch.empty() && row_gemv_applies(at, bt, s) ? row_gemv(at, bt, s)
+             : batch.empty() && cuda_gemv_applies(at, bt, s) ? cuda_gemv(at, bt, s)
              : half_on_cpu(type, s)                         ? via_f32(at, bt, type, s)
                                                           : mx::matmul(at, bt, s);
 

@@ -1,0 +1,142 @@
+// A decoding step's attention on MLX's CUDA backend when it carries an array mask.
+//
+// MLX's fused attention kernels on CUDA take no array mask for a decoding step (its
+// vector kernel takes none or causal; cuDNN's decoding path none), and Bumblebee masks
+// the unfilled tail of its fixed-length key/value cache with one. MLX then computes the
+// composition of mlx/fast.cpp: a scale, q·kᵀ and ·v through cuBLAS (each a captured
+// graph of its own), the mask, softmax, and copies of the cache, which reaches the
+// products transposed ([B, L, heads, D] read as [B, heads, L, D]): about ten kernel
+// nodes a layer for the host to encode. This kernel is one: a block per (batch, head,
+// query row) reads q, k, v and the mask through their strides, grouped-query heads
+// their key/value head in place, and computes the scores, the mask as the composition
+// applies it (false: f32's lowest value; additive: added), the softmax and the weighted
+// sum of the values in f32.
+#include <bit>
+#include <cstdint>
+
+#include "cuda_kernels.h"
+
+#include <mlx/backend/cuda/cuda.h>
+#include <mlx/fast.h>
+
+namespace emily {
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int kMaxRows = 8;
+constexpr int kMaxHead = 256;
+constexpr int kMaxKeys = 4096;  // the scores of a row stay in shared memory
+constexpr int kThreads = 128;
+
+// T: the operands' type. MASK: 1 a bool mask, 2 an additive one. SCALE: the scale's f32
+// bits.
+constexpr const char* kSource = R"(
+  __shared__ float qs[MAX_HEAD];
+  __shared__ float sc[MAX_KEYS];
+  __shared__ float red[32];
+  const int Hq = q_shape[1], Lq = q_shape[2], D = q_shape[3];
+  const int Hkv = k_shape[1], Lk = k_shape[2], Dv = v_shape[3];
+  const int row = blockIdx.x;
+  const int i = row % Lq, h = (row / Lq) % Hq, b = row / (Lq * Hq);
+  const int hk = h / (Hq / Hkv);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+  const float scale = __int_as_float(SCALE);
+
+  const T* qp = q + b * q_strides[0] + h * q_strides[1] + i * q_strides[2];
+  for (int d = tid; d < D; d += blockDim.x) qs[d] = (float)qp[d * q_strides[3]] * scale;
+  __syncthreads();
+
+  // One warp per key: its lanes split the head's elements.
+  const T* kb = k + b * k_strides[0] + hk * k_strides[1];
+  const auto* mb = mask + b * mask_strides[0] + h * mask_strides[1] + i * mask_strides[2];
+  for (int j = warp; j < Lk; j += warps) {
+    const T* kp = kb + j * k_strides[2];
+    float s = 0.f;
+    for (int d = lane; d < D; d += 32) s += qs[d] * (float)kp[d * k_strides[3]];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    if (lane == 0) {
+      if constexpr (MASK == 1) {
+        if (!mb[j * mask_strides[3]]) s = -3.40282347e+38f;
+      } else {
+        s += (float)mb[j * mask_strides[3]];
+      }
+      sc[j] = s;
+    }
+  }
+  __syncthreads();
+
+  float m = __int_as_float(0xff800000);
+  for (int j = tid; j < Lk; j += blockDim.x) m = fmaxf(m, sc[j]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+  for (int w = 1; w < warps; ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+
+  float sum = 0.f;
+  for (int j = tid; j < Lk; j += blockDim.x) {
+    const float e = expf(sc[j] - m);
+    sc[j] = e;
+    sum += e;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+  for (int w = 0; w < warps; ++w) sum += red[w];
+
+  const T* vb = v + b * v_strides[0] + hk * v_strides[1];
+  T* op = out + ((size_t)(b * Hq + h) * Lq + i) * Dv;
+  for (int d = tid; d < Dv; d += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < Lk; ++j) acc += sc[j] * (float)vb[j * v_strides[2] + d * v_strides[3]];
+    op[d] = (T)(acc / sum);
+  }
+)";
+
+const mx::fast::CustomKernelFunction& kernel() {
+  // Every operand is read through its strides: no copies of the cache.
+  static const auto k = mx::fast::cuda_kernel("emily_decode_attention", {"q", "k", "v", "mask"}, {"out"},
+                                              kSource, "", /*ensure_row_contiguous=*/false);
+  return k;
+}
+
+bool floating(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
+
+}  // namespace
+
+bool cuda_attention_applies(const array& q, const array& k, const array& v, const std::string& mask_mode,
+                            const std::optional<array>& mask, const std::optional<array>& sinks, const Stream& s) {
+  static const bool cuda = mx::cu::is_available();
+  if (!cuda || s.device != mx::Device::gpu || sinks || !mask || mask_mode == "causal") return false;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || mask->ndim() > 4) return false;
+  if (q.dtype() != k.dtype() || q.dtype() != v.dtype() || !floating(q.dtype())) return false;
+  if (mask->dtype() != mx::bool_ && !floating(mask->dtype())) return false;
+  int rows = q.shape(2), head = q.shape(3), keys = k.shape(2), q_heads = q.shape(1), kv_heads = k.shape(1);
+  return rows >= 1 && rows <= kMaxRows && head <= kMaxHead && v.shape(3) <= kMaxHead && keys >= 1 &&
+         keys <= kMaxKeys && kv_heads >= 1 && q_heads % kv_heads == 0;
+}
+
+array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
+                     const Stream& s) {
+  auto scores = q.shape();
+  scores.back() = k.shape(2);
+  auto out = q.shape();
+  out.back() = v.shape(3);
+  int blocks = q.shape(0) * q.shape(1) * q.shape(2);
+  int kind = mask.dtype() == mx::bool_ ? 1 : 2;
+  return kernel()({q, k, v, mx::broadcast_to(mask, scores, s)}, {out}, {q.dtype()}, {blocks * kThreads, 1, 1},
+                  {kThreads, 1, 1}, {{"T", q.dtype()},
+                   {"MASK", kind},
+                   {"SCALE", std::bit_cast<int>(scale)},
+                   {"MAX_HEAD", kMaxHead},
+                   {"MAX_KEYS", kMaxKeys}}, std::nullopt, false,
+                  s)[0];
+}
+
+}  // namespace emily

@@ -1,0 +1,29 @@
+// Emily's kernels on MLX's CUDA backend, through MLX's custom-kernel path: each is one
+// kernel node, compiled by NVRTC at its first use and cached by MLX. Each `*_applies`
+// says whether its kernel computes what the MLX call it stands for computes; elsewhere
+// (a CPU stream, Metal, other shapes) that call is MLX's.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "emily.h"
+
+namespace emily {
+
+// `mx::matmul(x, b, s)` for x of shape (M, K) with 1 <= M <= 8 and b an evaluated
+// row-contiguous (K, N), K and N nonzero, both f32, bf16 or f16 (cuda_gemv.cc).
+bool cuda_gemv_applies(const array& x, const array& b, const Stream& s);
+// Summed in f32 and rounded once.
+array cuda_gemv(const array& x, const array& b, const Stream& s);
+
+// `mx::fast::scaled_dot_product_attention` of up to 8 query rows with an array mask
+// (bool or additive), no sinks, head sizes up to 256 and up to 4096 keys, all of one
+// floating type (cuda_attention.cc).
+bool cuda_attention_applies(const array& q, const array& k, const array& v, const std::string& mask_mode,
+                            const std::optional<array>& mask, const std::optional<array>& sinks, const Stream& s);
+// Scores, softmax and the weighted sum in f32, the result rounded once.
+array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
+                     const Stream& s);
+
+}  // namespace emily
