@@ -194,6 +194,18 @@ if Code.ensure_loaded?(Nx) do
       {a, b, c, d}
     end
 
+    # A generation loop's shape: a buffer written a slot per pass (a key/value cache) that
+    # the loop's result does not read.
+    defn filled_cache(x) do
+      {_cache, acc, _i} =
+        while {cache = Nx.broadcast(0.0, {8}), acc = x, i = 0}, Nx.sum(acc) < 100 do
+          cache = Nx.put_slice(cache, [Nx.remainder(i, 8)], Nx.reshape(Nx.sum(acc), {1}))
+          {cache, acc * 2 + Nx.mean(cache), i + 1}
+        end
+
+      acc
+    end
+
     defn host_loops(x, n) do
       {a, _n} =
         while {a = x * 2, n}, Nx.sum(a) < n * 10 do
@@ -784,7 +796,8 @@ if Code.ensure_loaded?(Nx) do
         for {opts, step} <- [{[], :queued}, {[overlap: false], :fused}],
             x <- [Nx.tensor([1.0, 2.0]), Nx.tensor([200.0, 300.0])] do
           jit = ejit(&grow/1, opts)
-          assert {:loop, _, _, {^step, {:pass, _, _, _}}, _} = plan_of(jit, [x])
+          assert {:loop, _, _, queued, _} = plan_of(jit, [x])
+          assert elem(queued, 0) == step and match?({:pass, _, _, _}, elem(queued, 1))
           # The pass queued after the last (and, for no pass at all, the only one) is
           # dropped: the result is the state the condition stopped at.
           expected = if x == Nx.tensor([1.0, 2.0]), do: [127.0, 191.0], else: [200.0, 300.0]
@@ -797,6 +810,24 @@ if Code.ensure_loaded?(Nx) do
             ejit(&host_loops/2).(x, Nx.tensor(3))
           )
         end
+      end
+    end
+
+    test "a queued pass releases the state nothing after the loop reads, and the loop ends right" do
+      # (Under :debug_detect_nan_inf the loop falls back: no plan.)
+      unless Emily.Debug.detect_nan_inf?() do
+        # Six passes, one, none: the buffer and the counter are released state (the
+        # result reads the accumulator only); the state the loop ends with is whole.
+        for x <- [Nx.tensor([1.0, 2.0]), Nx.tensor([40.0, 50.0]), Nx.tensor([200.0, 300.0])] do
+          jit = ejit(&filled_cache/1)
+          assert {:loop, _, _, {:queued, {:pass, _, _, _}, [0, 2]}, _} = plan_of(jit, [x])
+          check_paths(&filled_cache/1, [x])
+          assert_same(jit.(x), ejit(&filled_cache/1, overlap: false).(x))
+        end
+
+        # A loop whose whole state is read after it releases nothing.
+        assert {:loop, _, _, {:queued, _, []}, _} =
+                 plan_of(ejit(&grow/1), [Nx.tensor([1.0, 2.0])])
       end
     end
 

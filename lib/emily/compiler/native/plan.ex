@@ -36,7 +36,7 @@ if Code.ensure_loaded?(Nx) do
     def run({:loop, initial, condition, step, rest}, inputs, stream) do
       state = run(initial, inputs, stream)
       [pred] = run(condition, state, stream)
-      run(rest, inputs ++ repeat(pred, condition, step, state, stream), stream)
+      run(rest, inputs ++ repeat(pred, condition, step, state, false, stream), stream)
     end
 
     def run({:cond, predicates, branches, rest}, inputs, stream) do
@@ -56,32 +56,46 @@ if Code.ensure_loaded?(Nx) do
     # and reads condition n, and the host builds pass n + 2 while the device computes.
     # The pass queued after the last one is dropped unread; it costs one pass's time
     # and the memory of one more state.
+    #
+    # `dead` are the state's leaves that the pass computes anew and that nothing after
+    # the loop reads (a generation loop's key/value cache). Once a pass's graph is built,
+    # the state it read holds them only for that graph: they are released (`owned`: the
+    # state is a pass's own outputs, not the initial state, which may hold the caller's
+    # tensors), so that MLX updates them in place (the cache's `put_slice` without a copy
+    # of the cache). The state the loop ends with takes them from the pass dropped unread.
     defp repeat(
            pred,
            _condition,
-           {:queued, {:pass, program, extras, layout}} = step,
+           {:queued, {:pass, program, extras, layout}, dead} = step,
            state,
+           owned,
            stream
          ) do
-      inputs = state ++ extras
-      computed = Emily.Program.run(program, inputs, stream: stream)
+      inputs = List.to_tuple(state ++ extras)
+      computed = Emily.Program.run(program, Tuple.to_list(inputs), stream: stream)
+      if owned, do: Enum.each(dead, &Emily.release(elem(inputs, &1)))
       Emily.async_eval(computed)
-      next = placed(layout, List.to_tuple(inputs), computed)
+      next = placed(layout, inputs, computed)
 
-      if Emily.to_list(pred) == [0] do
-        state
-      else
-        {state, [pred]} = Enum.split(next, -1)
-        repeat(pred, nil, step, state, stream)
+      cond do
+        Emily.to_list(pred) != [0] ->
+          {state, [pred]} = Enum.split(next, -1)
+          repeat(pred, nil, step, state, true, stream)
+
+        owned ->
+          Enum.reduce(dead, state, &List.replace_at(&2, &1, Enum.at(next, &1)))
+
+        true ->
+          state
       end
     end
 
-    defp repeat(pred, condition, step, state, stream) do
+    defp repeat(pred, condition, step, state, owned, stream) do
       if Emily.to_list(pred) == [0] do
         state
       else
         {state, pred} = advance(step, condition, state, stream)
-        repeat(pred, condition, step, state, stream)
+        repeat(pred, condition, step, state, owned, stream)
       end
     end
 
@@ -142,7 +156,9 @@ if Code.ensure_loaded?(Nx) do
       step = step(arg, condition, body, at.opts)
       hosted = at.hosted ++ [{loop, length(flat(initial))}]
       {rest, lowered} = plan(at.vars, at.result, at.opts, hosted)
-      {{:loop, initial_plan, condition_plan, step, rest}, lowered}
+
+      {{:loop, initial_plan, condition_plan, dead(step, read_leaves(at.result, loop)), rest},
+       lowered}
     end
 
     # A `cond` whose branches a program cannot compute both of (Native.Control):
@@ -272,6 +288,49 @@ if Code.ensure_loaded?(Nx) do
       computed = Enum.reject(lowered.outputs, passed?)
       {:pass, program(%{lowered | outputs: computed}, opts), lowered.extras, layout}
     end
+
+    # A queued pass with the leaves of the state it computes that the rest does not read
+    # (see repeat/6).
+    defp dead({:queued, {:pass, _, _, layout} = pass}, read) do
+      state = Enum.drop(layout, -1)
+
+      dead =
+        for {:computed, i} <- Enum.with_index(state),
+            read != :all and not MapSet.member?(read, i),
+            do: i
+
+      {:queued, pass, dead}
+    end
+
+    defp dead(step, _read), do: step
+
+    # The positions of `loop`'s state leaves that `result` reads, or `:all` where it
+    # reads the state whole.
+    defp read_leaves(result, %T{data: %Expr{id: loop}}) do
+      {_, {read, _}} = Composite.traverse(result, {MapSet.new(), %{}}, &read_in(&1, &2, loop))
+      read
+    end
+
+    defp read_in(%T{data: %Expr{id: id, op: op, args: args}} = t, {read, seen} = acc, loop) do
+      cond do
+        read == :all or Map.has_key?(seen, id) ->
+          {t, acc}
+
+        id == loop ->
+          {t, {:all, seen}}
+
+        op == :elem and match?([%T{data: %Expr{id: ^loop}}, _], args) ->
+          {t, {MapSet.put(read, List.last(args)), Map.put(seen, id, true)}}
+
+        true ->
+          {_, acc} =
+            Tree.apply_args(t, :all, {read, Map.put(seen, id, true)}, &read_in(&1, &2, loop))
+
+          {t, acc}
+      end
+    end
+
+    defp read_in(other, acc, _loop), do: {other, acc}
 
     # `{:call, data, call, rest}`: the plan of the data, the call, the plan of the rest,
     # which has the call's results as inputs (`hosted`: see Native.lowering/3).
