@@ -7,8 +7,9 @@
 // every layer and step. The decoding kernel reads q, k, v and the mask through their
 // strides instead: for each (batch, head, row) the scaled dot products with every key,
 // the mask, MLX's softmax, and the weighted sum of the values in key order; in f32 like
-// the composition, with its sums in another order. Grouped-query heads read their
-// key/value head in place. (On MLX's CUDA backend: cuda_attention.cc.)
+// the composition, with its sums in another order. bf16 operands are widened exactly and
+// the result rounded once (where MLX's bf16 composition rounds each step). Grouped-query
+// heads read their key/value head in place. (On MLX's CUDA backend: cuda_attention.cc.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -39,46 +40,53 @@ using namespace vec;
 // Query rows up to which the decoding kernel runs (a step's, or a few speculative ones).
 constexpr int kDecodeRows = 8;
 
+// An operand of f32 (float) or bf16 (its bits, uint16_t) read through its strides.
+template <typename T>
 struct View {
-  const float* p;
+  const T* p;
   int64_t s0, s1, s2, s3;
 
   static View of(const array& a) {
     auto& st = a.strides();
-    return {a.data<float>(), st[0], st[1], st[2], st[3]};
+    return {a.data<T>(), st[0], st[1], st[2], st[3]};
   }
-  const float* row(int64_t b, int64_t h, int64_t i) const { return p + b * s0 + h * s1 + i * s2; }
+  const T* row(int64_t b, int64_t h, int64_t i) const { return p + b * s0 + h * s1 + i * s2; }
 };
 
-EMILY_VECTOR float dot(const float* a, const float* b, int64_t sb, int n) {
+template <typename T>
+EMILY_VECTOR float dot(const float* a, const T* b, int64_t sb, int n) {
   float sum;
   int i = 0;
   if (sb == 1) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0;
     for (; i + 16 <= n; i += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), a0);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), a1);
     }
-    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), a0);
     sum = sum8(_mm256_add_ps(a0, a1));
   } else {
     sum = 0.0f;
   }
-  for (; i < n; i++) sum = std::fma(a[i], b[i * sb], sum);
+  for (; i < n; i++) sum = std::fma(a[i], load1(b + i * sb), sum);
   return sum;
 }
 
 // acc[0, n) += w * b[0, n) (b at stride sb).
-EMILY_VECTOR void axpy(float w, const float* b, int64_t sb, float* acc, int n) {
+template <typename T>
+EMILY_VECTOR void axpy(float w, const T* b, int64_t sb, float* acc, int n) {
   int i = 0;
   if (sb == 1) {
     __m256 vw = _mm256_set1_ps(w);
     for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(b + i), _mm256_loadu_ps(acc + i)));
+      _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(vw, load8(b + i), _mm256_loadu_ps(acc + i)));
     }
   }
-  for (; i < n; i++) acc[i] = std::fma(w, b[i * sb], acc[i]);
+  for (; i < n; i++) acc[i] = std::fma(w, load1(b + i * sb), acc[i]);
 }
+
+inline void store(float* o, float v) { *o = v; }
+inline void store(uint16_t* o, float v) { *o = to_bf16(v); }
 
 class DecodeAttention : public mx::Primitive {
  public:
@@ -92,12 +100,13 @@ class DecodeAttention : public mx::Primitive {
     for (auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     bool has_mask = inputs.size() > 3;
-    bool bool_mask = has_mask && inputs[3].dtype() == mx::bool_;
+    bool bf16 = q.dtype() == mx::bfloat16;
     encoder.dispatch([q = array::unsafe_weak_copy(q), k = array::unsafe_weak_copy(k), v = array::unsafe_weak_copy(v),
                       m = has_mask ? array::unsafe_weak_copy(inputs[3]) : array(0.0f),
-                      out = array::unsafe_weak_copy(out), has_mask, bool_mask, scale = scale_,
+                      out = array::unsafe_weak_copy(out), has_mask, bf16, scale = scale_,
                       causal = causal_]() mutable {
-      run(q, k, v, has_mask ? &m : nullptr, bool_mask, scale, causal, out);
+      const array* mask = has_mask ? &m : nullptr;
+      bf16 ? run<uint16_t>(q, k, v, mask, scale, causal, out) : run<float>(q, k, v, mask, scale, causal, out);
     });
   }
 
@@ -120,14 +129,32 @@ class DecodeAttention : public mx::Primitive {
   }
 
  private:
-  static void run(const array& q, const array& k, const array& v, const array* m, bool bool_mask, float scale,
-                  bool causal, array& out) {
+  // Applies the mask's row at `base` to `scores`: bool (kept, or f32's lowest value, as
+  // the composition's), or added (f32 or bf16).
+  static void masked(float* scores, const array& m, int64_t base, int keys) {
+    const float lowest = -std::numeric_limits<float>::max();
+    int64_t st = m.strides()[3];
+    if (m.dtype() == mx::bool_) {
+      const bool* mp = m.data<bool>() + base;
+      for (int j = 0; j < keys; j++) scores[j] = mp[j * st] ? scores[j] : lowest;
+    } else if (m.dtype() == mx::bfloat16) {
+      const uint16_t* mp = m.data<uint16_t>() + base;
+      for (int j = 0; j < keys; j++) scores[j] = scores[j] + load1(mp + j * st);
+    } else {
+      const float* mp = m.data<float>() + base;
+      for (int j = 0; j < keys; j++) scores[j] = scores[j] + mp[j * st];
+    }
+  }
+
+  template <typename T>
+  static void run(const array& q, const array& k, const array& v, const array* m, float scale, bool causal,
+                  array& out) {
     const int batch = q.shape(0), q_heads = q.shape(1), rows = q.shape(2), d = q.shape(3);
     const int kv_heads = k.shape(1), keys = k.shape(2), dv = v.shape(3);
     const int repeats = q_heads / kv_heads;
-    View qv = View::of(q), kv = View::of(k), vv = View::of(v);
+    auto qv = View<T>::of(q), kv = View<T>::of(k), vv = View<T>::of(v);
     const float lowest = -std::numeric_limits<float>::max();
-    float* o = out.data<float>();
+    T* o = out.data<T>();
     int pairs = batch * q_heads;
     // One part per (batch, head), or one in all where the cache is small.
     int parts = static_cast<int64_t>(pairs) * keys * (d + dv) < (1 << 15) ? 1 : pairs;
@@ -138,8 +165,8 @@ class DecodeAttention : public mx::Primitive {
         int b = pair / q_heads, h = pair % q_heads, kh = h / repeats;
         for (int i = 0; i < rows; i++) {
           // The composition scales q first (one rounding), then takes the products.
-          const float* qr = qv.row(b, h, i);
-          for (int c = 0; c < d; c++) qs[c] = scale * qr[c * qv.s3];
+          const T* qr = qv.row(b, h, i);
+          for (int c = 0; c < d; c++) qs[c] = scale * load1(qr + c * qv.s3);
           for (int j = 0; j < keys; j++) scores[j] = dot(qs.data(), kv.row(b, kh, j), kv.s3, d);
           if (causal) {
             // Aligned to the end of the keys, as MLX's causal mask (with more queries than
@@ -147,19 +174,13 @@ class DecodeAttention : public mx::Primitive {
             for (int j = std::max(0, i + (keys - rows) + 1); j < keys; j++) scores[j] = lowest;
           } else if (m) {
             auto& st = m->strides();
-            int64_t base = b * st[0] + h * st[1] + i * st[2];
-            if (bool_mask) {
-              const bool* mp = m->data<bool>() + base;
-              for (int j = 0; j < keys; j++) scores[j] = mp[j * st[3]] ? scores[j] : lowest;
-            } else {
-              const float* mp = m->data<float>() + base;
-              for (int j = 0; j < keys; j++) scores[j] = scores[j] + mp[j * st[3]];
-            }
+            masked(scores.data(), *m, b * st[0] + h * st[1] + i * st[2], keys);
           }
           softmax_rows(scores.data(), scores.data(), 1, keys);
           std::fill(acc.begin(), acc.end(), 0.0f);
           for (int j = 0; j < keys; j++) axpy(scores[j], vv.row(b, kh, j), vv.s3, acc.data(), dv);
-          std::copy(acc.begin(), acc.end(), o + ((static_cast<int64_t>(b) * q_heads + h) * rows + i) * dv);
+          T* orow = o + ((static_cast<int64_t>(b) * q_heads + h) * rows + i) * dv;
+          for (int c = 0; c < dv; c++) store(orow + c, acc[c]);
         }
       }
     });
@@ -177,9 +198,11 @@ array attention(const array& q, const array& k, const array& v, float scale, con
   // composition below; where this one is taken, MLX's graph is dropped unevaluated.
   auto ref = mx::fast::scaled_dot_product_attention(q, k, v, scale, mask_mode, mask, sinks, false, s);
   if (cuda_attention_applies(q, k, v, mask_mode, mask, sinks, s)) return cuda_attention(q, k, v, scale, *mask, s);
-  bool floats = q.dtype() == mx::float32 && k.dtype() == mx::float32 && v.dtype() == mx::float32 &&
-                (!mask || mask->dtype() == mx::float32 || mask->dtype() == mx::bool_);
-  if (s.device != mx::Device::cpu || !vector_cpu() || !floats || sinks) return ref;
+  // f32 throughout, or bf16 operands (a decoding step only) with a bool, f32 or bf16 mask.
+  auto t = q.dtype();
+  bool typed = (t == mx::float32 || t == mx::bfloat16) && k.dtype() == t && v.dtype() == t;
+  bool mask_typed = !mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32 || mask->dtype() == t;
+  if (s.device != mx::Device::cpu || !vector_cpu() || !typed || !mask_typed || sinks) return ref;
   bool causal = mask_mode == "causal";
   if (q.shape(2) <= kDecodeRows) {
     std::vector<array> inputs = {q, k, v};
@@ -190,8 +213,9 @@ array attention(const array& q, const array& k, const array& v, float scale, con
     }
     auto shape = q.shape();
     shape.back() = v.shape(-1);
-    return array(shape, mx::float32, std::make_shared<DecodeAttention>(s, scale, causal), inputs);
+    return array(shape, t, std::make_shared<DecodeAttention>(s, scale, causal), inputs);
   }
+  if (t != mx::float32) return ref;
 
   // MLX's fallback (mlx/fast.cpp), step for step.
   bool has_mask = mask.has_value() && !causal;

@@ -41,19 +41,10 @@ namespace {
 
 #if EMILY_GEMV_KERNEL
 
-// Weights are f32 or bf16 (its bits, widened to f32 exactly); x and the sums are f32.
-EMILY_VECTOR inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-EMILY_VECTOR inline __m256 load8(const uint16_t* p) {
-  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline float load1(const float* p) { return *p; }
-inline float load1(const uint16_t* p) {
-  uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// Weights are f32 or bf16 (vector.h's loads); x and the sums are f32.
+using kernels::vec::load1;
+using kernels::vec::load8;
+using kernels::vec::to_bf16;
 
 // y[j0, j1) of x (k) times b (k, n), row i of b at b + i * ldb: four rows at a time, each
 // output summed over the rows in order.
@@ -225,13 +216,6 @@ class RowGemv : public mx::UnaryPrimitive {
     for (int j = 0; j < n; j++) yp[j] = to_bf16(ys[j]);
   }
 
-  // Round to nearest even; NaN stays NaN.
-  static uint16_t to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-    return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  }
 #endif
 };
 

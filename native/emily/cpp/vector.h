@@ -11,6 +11,8 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 
 // (MLX's fp8 conversions in unary_ops.h pun pointers; none is used here.)
 #pragma GCC diagnostic push
@@ -23,6 +25,28 @@
 
 namespace emily::kernels::vec {
 namespace mx = mlx::core;
+
+// f32, or bf16 (its bits, widened to f32 exactly), as f32 lanes.
+EMILY_VECTOR inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+EMILY_VECTOR inline __m256 load8(const uint16_t* p) {
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {
+  uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// f32 to bf16, to nearest even; NaN stays NaN.
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 
 // simd::exp of MLX (cpu/simd/math.h): 2^round(x log2 e) times a polynomial of the rest.
