@@ -71,11 +71,12 @@ if Code.ensure_loaded?(Nx) do
            owned,
            stream
          ) do
-      inputs = List.to_tuple(state ++ extras)
-      computed = Emily.Program.run(program, Tuple.to_list(inputs), stream: stream)
-      if owned, do: Enum.each(dead, &Emily.release(elem(inputs, &1)))
+      inputs = state ++ extras
+      computed = Emily.Program.run(program, inputs, stream: stream)
+      read = List.to_tuple(inputs)
+      if owned, do: Enum.each(dead, &Emily.release(elem(read, &1)))
       Emily.async_eval(computed)
-      next = placed(layout, inputs, computed)
+      next = placed(layout, read, computed)
 
       cond do
         Emily.to_list(pred) != [0] ->
