@@ -85,6 +85,9 @@ if Code.ensure_loaded?(Bumblebee) do
         {spec, rewrites} = forward_both("qwen3", text_inputs("qwen3"), type, :logits)
         # Per block: the two norms, the query and key norms; then the final norm.
         assert count(rewrites, :rms_norm) == 4 * spec.num_blocks + 1
+        # Each block's gated feed-forward: up * silu(gate), one kernel.
+        assert for(%{rewrite: :silu, gated: g} <- rewrites, do: g) ==
+                 List.duplicate(true, spec.num_blocks)
 
         attention = Enum.filter(rewrites, &(&1.rewrite == :scaled_dot_product_attention))
         assert length(attention) == spec.num_blocks
@@ -99,6 +102,9 @@ if Code.ensure_loaded?(Bumblebee) do
       test "Llama: RMS norms and grouped-query attention, #{type}", %{type: type} do
         {spec, rewrites} = forward_both("llama", text_inputs("llama"), type, :logits)
         assert count(rewrites, :rms_norm) == 2 * spec.num_blocks + 1
+
+        assert for(%{rewrite: :silu, gated: g} <- rewrites, do: g) ==
+                 List.duplicate(true, spec.num_blocks)
 
         assert for(%{rewrite: :scaled_dot_product_attention, heads: h} <- rewrites, do: h) ==
                  List.duplicate(
@@ -117,6 +123,10 @@ if Code.ensure_loaded?(Bumblebee) do
         assert count(rewrites, :scaled_dot_product_attention) == spec.num_blocks
         # Each block's feed-forward activation, and the LM head's.
         assert count(rewrites, :gelu) == spec.num_blocks + 1
+        # Each block's query, key, value and output projections and its two feed-forward
+        # layers, and the LM head's transform (its projection onto the tied embedding is
+        # a product of the transposed table).
+        assert count(rewrites, :dense) == 6 * spec.num_blocks + 1
       end
 
       @tag type: type

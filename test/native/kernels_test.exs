@@ -1,7 +1,7 @@
 defmodule Emily.Native.KernelsTest do
   use Emily.TestCase, async: true
 
-  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid, gelu_erf and softmax on a
+  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid, gelu_erf, silu and softmax on a
   # CPU stream run Emily's vector kernels (cpp/kernels.cc), which compute MLX's own
   # formulas eight lanes at a time and the last `rem(n, 8)` elements through MLX's scalar
   # code. So a value's result must be the same bits whether it falls in a lane or in
@@ -85,6 +85,73 @@ defmodule Emily.Native.KernelsTest do
              Emily.to_binary(gelu_ops(xb, c, {:bf, 16}))
   end
 
+  # Axon's silu, and a gated unit's `by * silu(x)`, as their ops.
+  defp silu_ops(x, by) do
+    t = N.multiply(cpu(), N.sigmoid(cpu(), x), x)
+    if by, do: N.multiply(cpu(), by, t), else: t
+  end
+
+  test "silu: its ops' values, bit for bit, plain and gated, in f32 (the kernel) and bf16" do
+    bits = inputs()
+    x = tensor(bits)
+    by = tensor(Enum.reverse(bits))
+
+    for factor <- [nil, by] do
+      assert canonical(words(N.silu(cpu(), x, factor))) == canonical(words(silu_ops(x, factor)))
+    end
+
+    half = fn t -> N.astype(cpu(), N.slice(cpu(), t, [0], [4001], [1]), {:bf, 16}) end
+    {xb, byb} = {half.(x), half.(by)}
+
+    for factor <- [nil, byb] do
+      assert Emily.to_binary(N.silu(cpu(), xb, factor)) == Emily.to_binary(silu_ops(xb, factor))
+    end
+  end
+
+  test "silu: a factor of another shape or type is refused, and the worker goes on" do
+    x = Emily.from_list([1.0, 2.0, 3.0], {:f, 32}, stream: cpu())
+    short = Emily.from_list([1.0, 2.0], {:f, 32}, stream: cpu())
+    other = N.astype(cpu(), x, {:bf, 16})
+
+    for by <- [short, other] do
+      assert_raise Emily.Error, ~r/silu.*the factor must have x's shape and type/, fn ->
+        Emily.to_binary(N.silu(cpu(), x, by))
+      end
+    end
+
+    assert Emily.to_list(N.silu(cpu(), x, nil)) == Emily.to_list(silu_ops(x, nil))
+  end
+
+  # On a GPU, silu is MLX's compiled form of its ops: one fused kernel of the same
+  # per-element functions, so the same values as the ops run one by one there.
+  @tag :gpu
+  test "silu on a GPU: its ops' values, plain and gated, in f32, bf16 and f16" do
+    gpu = Emily.Stream.default(:gpu)
+    bits = Enum.take(inputs(), 4001)
+
+    on = fn t, type ->
+      t
+      |> Emily.to_binary()
+      |> Emily.from_binary({4001}, {:f, 32}, stream: gpu)
+      |> then(&N.astype(gpu, &1, type))
+    end
+
+    ops = fn x, by ->
+      t = N.multiply(gpu, N.sigmoid(gpu, x), x)
+      if by, do: N.multiply(gpu, by, t), else: t
+    end
+
+    for type <- [{:f, 32}, {:bf, 16}, {:f, 16}] do
+      x = on.(tensor(bits), type)
+      by = on.(tensor(Enum.reverse(bits)), type)
+
+      for factor <- [nil, by] do
+        assert Emily.to_binary(N.silu(gpu, x, factor)) == Emily.to_binary(ops.(x, factor)),
+               "#{inspect(type)}, gated: #{factor != nil}"
+      end
+    end
+  end
+
   test "strided and broadcast inputs give the values of their dense copies" do
     x = N.reshape(cpu(), tensor(Enum.take(inputs(), 120)), {10, 12})
     transposed = N.transpose(cpu(), x, [1, 0])
@@ -92,8 +159,8 @@ defmodule Emily.Native.KernelsTest do
     row = N.slice(cpu(), x, [3, 0], [4, 12], [1, 1])
     broadcast = N.broadcast_to(cpu(), row, {5, 12})
 
-    for fun <- [:exp, :erf, :sigmoid, :gelu_erf] do
-      args = if fun == :gelu_erf, do: [1.5], else: []
+    for fun <- [:exp, :erf, :sigmoid, :gelu_erf, :silu] do
+      args = %{gelu_erf: [1.5], silu: [nil]} |> Map.get(fun, [])
 
       assert canonical(words(apply(N, fun, [cpu(), transposed] ++ args))) ==
                canonical(words(apply(N, fun, [cpu(), dense] ++ args)))

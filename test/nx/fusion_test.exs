@@ -1,5 +1,5 @@
-# Emily.Compiler's fusion rewrites (Emily.Compiler.Native.Fusion): RMS norm, layer norm
-# and attention written as Bumblebee's and Axon's layers write them, compiled with the
+# Emily.Compiler's fusion rewrites (Emily.Compiler.Native.Fusion): RMS norm, layer norm,
+# attention, gelu and silu written as Bumblebee's and Axon's layers write them, compiled with the
 # rewrites and without (`fuse: false`) on random inputs, within the fused kernels'
 # tolerance, with the listing (`Emily.Compiler.fusions/3`) and the telemetry naming what
 # fired; and the near misses that must not be rewritten (epsilon elsewhere, another axis
@@ -230,6 +230,19 @@ if Code.ensure_loaded?(Nx) do
     defn(gelu_plus_two(x), do: (Nx.erf(x / 1.5) + 2) * x / 2)
     defn(gelu_other(x, y), do: (Nx.erf(y / 1.5) + 1) * x / 2)
 
+    # Axon's silu (Axon.Activations.silu/1), and Bumblebee's gated feed-forward around it
+    # (`Axon.multiply(intermediate, Axon.activation(gate, :silu))`).
+    defn(axon_silu(x), do: x |> Nx.sigmoid() |> Nx.multiply(x))
+    defn(gated_silu(up, gate), do: Nx.multiply(up, axon_silu(gate)))
+    # Not silu: the sigmoid of another tensor; a factor broadcast over the gate.
+    defn(sigmoid_other(x, y), do: Nx.sigmoid(y) * x)
+
+    # Axon's dense layer (Axon.Layers.dense/4), and near misses: a bias of the rows, a
+    # product over another axis.
+    defn(axon_dense(x, w, b), do: Nx.dot(x, [Nx.rank(x) - 1], [], w, [0], []) |> Nx.add(b))
+    defn(dense_row_bias(x, w, b), do: Nx.add(Nx.dot(x, [1], [], w, [0], []), Nx.new_axis(b, 1)))
+    defn(dense_first_axis(x, w, b), do: Nx.dot(x, [0], [], w, [0], []) |> Nx.add(b))
+
     # Bumblebee's generation step: the LM head over every position, then the last row.
     defn(last_logits(h, w), do: Nx.dot(h, [2], w, [1])[[.., -1]])
     defn(first_vocab(h, w), do: Nx.dot(h, [2], w, [1])[[.., .., 0..3]])
@@ -367,6 +380,74 @@ if Code.ensure_loaded?(Nx) do
       assert Emily.Compiler.fusions(&gelu_over_three/1, [x]) == []
       assert Emily.Compiler.fusions(&gelu_plus_two/1, [x]) == []
       assert Emily.Compiler.fusions(&gelu_other/2, [x, rand({2, 8}, :f32, 42)]) == []
+    end
+
+    ## SiLU
+
+    for type <- [:f32, :bf16, :f16] do
+      test "Axon's silu and a gated unit in #{type}: the same values as unfused, to the bit" do
+        type = Nx.Type.normalize!(unquote(type))
+        # 67 elements: eight-lane blocks and a tail on the CPU kernel.
+        x = rand({67}, type, 44) |> Nx.multiply(8) |> Nx.as_type(type)
+        up = rand({67}, type, 45) |> Nx.multiply(4) |> Nx.as_type(type)
+
+        assert Nx.to_binary(run(&axon_silu/1, [x])) ==
+                 Nx.to_binary(run(&axon_silu/1, [x], fuse: false))
+
+        assert Nx.to_binary(run(&gated_silu/2, [up, x])) ==
+                 Nx.to_binary(run(&gated_silu/2, [up, x], fuse: false))
+
+        assert [%{rewrite: :silu, gated: false, type: ^type}] =
+                 Emily.Compiler.fusions(&axon_silu/1, [x])
+
+        assert [%{rewrite: :silu, gated: true, type: ^type, shape: {67}}] =
+                 Emily.Compiler.fusions(&gated_silu/2, [up, x])
+      end
+    end
+
+    test "near misses of the silu are not rewritten, or not gated" do
+      x = rand({2, 8}, :f32, 46)
+      assert Emily.Compiler.fusions(&sigmoid_other/2, [x, rand({2, 8}, :f32, 47)]) == []
+
+      # A factor that broadcasts: the silu alone is rewritten, the product runs as it is.
+      row = rand({8}, :f32, 48)
+      assert [%{rewrite: :silu, gated: false}] = Emily.Compiler.fusions(&gated_silu/2, [row, x])
+
+      assert Nx.to_binary(run(&gated_silu/2, [row, x])) ==
+               Nx.to_binary(run(&gated_silu/2, [row, x], fuse: false))
+    end
+
+    ## Dense
+
+    for type <- [:f32, :bf16, :f16] do
+      test "Axon's dense in #{type}: a matrix product and a decoding row, as unfused" do
+        type = Nx.Type.normalize!(unquote(type))
+        w = rand({48, 40}, type, 50)
+        b = rand({40}, type, 51)
+
+        # Batch 2 x 9 rows (a matrix product: the bias inside it), one row (a decoding
+        # step's: Emily's row kernel, then the sum).
+        for x <- [rand({2, 9, 48}, type, 52), rand({1, 48}, type, 53)] do
+          {diff, fused} = compare(&axon_dense/3, [x, w, b])
+          assert [%{rewrite: :dense, type: ^type}] = fused
+          assert diff <= tol(type), "#{inspect(x.shape)}: #{diff}"
+        end
+      end
+    end
+
+    test "near misses of the dense layer are not rewritten" do
+      x = rand({6, 8}, :f32, 54)
+      w = rand({8, 5}, :f32, 55)
+      assert Emily.Compiler.fusions(&dense_row_bias/3, [x, w, rand({6}, :f32, 56)]) == []
+
+      assert Emily.Compiler.fusions(&dense_first_axis/3, [
+               rand({8, 6}, :f32, 57),
+               w,
+               rand({5}, :f32, 58)
+             ]) == []
+
+      # A bias of another type (the sum promotes).
+      assert Emily.Compiler.fusions(&axon_dense/3, [x, w, rand({5}, :bf16, 59)]) == []
     end
 
     ## A slice of a product

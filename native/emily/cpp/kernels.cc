@@ -33,6 +33,27 @@ array gelu_ops(const array& x, float c, const Stream& s) {
   return mx::divide(mx::multiply(mx::add(e, array(1.0f, t), s), x, s), array(2.0f, t), s);
 }
 
+// silu as the graph computes it, op by op: sigmoid(x) * x, then `by` times that.
+array silu_ops(const array& x, const std::optional<array>& by, const Stream& s) {
+  auto t = mx::multiply(sigmoid(x, s), x, s);
+  return by ? mx::multiply(*by, t, s) : t;
+}
+
+// On a GPU, the same ops through MLX's compiler: it fuses them into one kernel of the
+// same per-element functions. The compiled function records the streams its trace ran
+// on, so it is used on a thread's default GPU stream only (Emily's streams are those),
+// where each thread traces it once per shape and type (MLX's compile cache is per thread).
+array silu_gpu(const array& x, const std::optional<array>& by, const Stream& s) {
+  static const auto gated = mx::compile([](const std::vector<array>& in) {
+    return std::vector<array>{silu_ops(in[0], in[1], mx::default_stream(mx::Device::gpu))};
+  });
+  static const auto plain = mx::compile([](const std::vector<array>& in) {
+    return std::vector<array>{silu_ops(in[0], std::nullopt, mx::default_stream(mx::Device::gpu))};
+  });
+  if (!(s == mx::default_stream(mx::Device::gpu))) return silu_ops(x, by, s);
+  return by ? gated({x, *by})[0] : plain({x})[0];
+}
+
 }  // namespace
 
 #if EMILY_VECTOR_KERNELS
@@ -152,6 +173,54 @@ class Softmax : public mx::UnaryPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
 };
 
+// sigmoid(x) * x (times `by`), each product rounded to f32 as MLX's multiply rounds it.
+EMILY_VECTOR void silu_map(const float* x, const float* by, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    __m256 t = _mm256_mul_ps(sigmoid8(v), v);
+    _mm256_storeu_ps(out + i, by ? _mm256_mul_ps(_mm256_loadu_ps(by + i), t) : t);
+  }
+  for (; i < n; i++) {
+    float t = mx::detail::Sigmoid{}(x[i]) * x[i];
+    out[i] = by ? by[i] * t : t;
+  }
+}
+
+class Silu : public mx::Primitive {
+ public:
+  explicit Silu(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    array& out = outputs[0];
+    for (auto& in : inputs)
+      if (!in.flags().row_contiguous) throw std::runtime_error("[silu] Emily's kernel takes row-contiguous input");
+    if (mx::is_donatable(inputs[0], out)) {
+      out.copy_shared_buffer(inputs[0]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    auto x = array::unsafe_weak_copy(inputs[0]);
+    auto by = inputs.size() > 1 ? std::optional<array>(array::unsafe_weak_copy(inputs[1])) : std::nullopt;
+    encoder.dispatch([x, by, out = array::unsafe_weak_copy(out)]() mutable {
+      silu_map(x.data<float>(), by ? by->data<float>() : nullptr, out.data<float>(), x.size());
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[silu] Emily's CPU kernel has no GPU version");
+  }
+
+  const char* name() const override { return "EmilySilu"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override { return typeid(other) == typeid(*this); }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override { return {inputs[0].shape()}; }
+};
+
 bool last_axis(const array& a, const std::vector<int>& axes) {
   int nd = static_cast<int>(a.ndim());
   return nd > 0 && axes.size() == 1 && (axes[0] == nd - 1 || axes[0] == -1);
@@ -171,6 +240,14 @@ array gelu_erf(const array& x, float c, const Stream& s) {
   return applies(x, s) ? elementwise<Fn::gelu>(x, s, c) : gelu_ops(x, c, s);
 }
 
+static array silu_cpu(const array& x, const std::optional<array>& by, const Stream& s) {
+  if (!applies(x, s)) return silu_ops(x, by, s);
+  // Both read in one order: row-major (a gated unit's two products are).
+  std::vector<array> in{mx::contiguous(x, false, s)};
+  if (by) in.push_back(mx::contiguous(*by, false, s));
+  return array(x.shape(), mx::float32, std::make_shared<Silu>(s), std::move(in));
+}
+
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s) {
   // f32 is its own accumulator: `precise` changes nothing for it.
   if (!applies(a, s) || !last_axis(a, axes)) return mx::softmax(a, axes, precise, s);
@@ -188,6 +265,14 @@ array sigmoid(const array& a, const Stream& s) { return mx::sigmoid(a, s); }
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s) {
   return mx::softmax(a, axes, precise, s);
 }
+static array silu_cpu(const array& x, const std::optional<array>& by, const Stream& s) { return silu_ops(x, by, s); }
 #endif
+
+array silu(const array& x, const std::optional<array>& by, const Stream& s) {
+  if (by && (by->shape() != x.shape() || by->dtype() != x.dtype()))
+    throw std::invalid_argument("[silu] the factor must have x's shape and type");
+  if (s.device == mx::Device::gpu) return silu_gpu(x, by, s);
+  return silu_cpu(x, by, s);
+}
 
 }  // namespace emily::kernels

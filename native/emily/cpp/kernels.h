@@ -21,6 +21,11 @@ array sigmoid(const array& a, const Stream& s);
 // c = sqrt(2)): on a CPU, in one pass over x.
 array gelu_erf(const array& x, float c, const Stream& s);
 
+// sigmoid(x) * x, times `by` where given (Axon's silu; a gated unit's silu(gate) * up,
+// `by` of x's shape and type), as those MLX ops compute it in x's type. On a CPU, f32 in
+// one pass; on a GPU, MLX's compiled form of the same ops (one fused kernel, not three).
+array silu(const array& x, const std::optional<array>& by, const Stream& s);
+
 // mx::softmax.
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s);
 

@@ -15,4 +15,9 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
                   const array& b, const std::vector<int>& contract_b, const std::vector<int>& batch_b,
                   const Stream& s);
 
+// x · w + bias over x's last axis (Axon's dense layer): x (..., K), w (K, N), bias (N),
+// one floating type. The same function as dot_general's product plus the bias, with the
+// bias added inside the product where that is a matrix product (within the sum's rounding).
+array dense(const array& x, const array& w, const array& bias, const Stream& s);
+
 }  // namespace emily

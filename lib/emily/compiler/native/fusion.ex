@@ -4,8 +4,10 @@ if Code.ensure_loaded?(Nx) do
     # Rewrites of the native path (Emily.Compiler.Native): subgraphs that compute RMS
     # norm, layer norm, rotary embeddings or scaled dot-product attention as chains of
     # Nx ops, in the exact form Bumblebee's and Axon's layers write them, lowered to
-    # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to), and
-    # Axon's gelu, lowered to Emily's one-pass CPU kernel. A node is rewritten when it
+    # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to); Axon's
+    # gelu, lowered to Emily's one-pass CPU kernel; Axon's silu, alone or gating another
+    # product (a gated unit's `up * silu(gate)`), lowered to one kernel of the same ops
+    # (cpp/kernels.h); and Axon's dense layer, its bias added inside the product. A node is rewritten when it
     # is the root of such a subgraph, matched on its ops, arguments and shapes; the
     # nodes inside are then not lowered (unless something else reads them, which
     # lowers them as usual).
@@ -97,9 +99,9 @@ if Code.ensure_loaded?(Nx) do
 
     # (A layer norm without weight and bias is also the RMS norm of the centered input:
     # the layer norm kernel takes the centering too.)
-    defp match(%T{data: %Expr{op: :multiply}} = t), do: layer_norm(t) || rms_norm(t)
+    defp match(%T{data: %Expr{op: :multiply}} = t), do: layer_norm(t) || rms_norm(t) || silu(t)
 
-    defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t) || rope(t)
+    defp match(%T{data: %Expr{op: :add}} = t), do: layer_norm(t) || rope(t) || dense(t)
 
     defp match(%T{data: %Expr{op: :divide}} = t), do: gelu(t)
 
@@ -537,6 +539,77 @@ if Code.ensure_loaded?(Nx) do
       else
         _ -> nil
       end
+    end
+
+    ## SiLU
+
+    # Axon's silu, `sigmoid(x) * x`, and that times a tensor of the same shape and type
+    # (Bumblebee's gated feed-forward: `up * silu(gate)`, either order): the `silu` op
+    # computes those two or three ops as they are, each rounded to the type, so its
+    # values are the graph's.
+    defp silu(%T{shape: shape, type: type, data: %Expr{args: [a, b]}} = t) do
+      case silu_of(t) do
+        %T{} = x ->
+          {%{rewrite: :silu, gated: false}, &silu_build(x, nil, type, &1)}
+
+        nil ->
+          Enum.find_value([{a, b}, {b, a}], fn {act, by} ->
+            with %T{shape: ^shape, type: ^type} <- by,
+                 %T{type: ^type} = act <- strip(act),
+                 %T{} = x <- silu_of(act) do
+              {%{rewrite: :silu, gated: true}, &silu_build(x, by, type, &1)}
+            else
+              _ -> nil
+            end
+          end)
+      end
+    end
+
+    # x where `t` is `sigmoid(x) * x` (either order) of t's shape and type; else nil.
+    defp silu_of(%T{shape: shape, type: type, data: %Expr{op: :multiply, args: [a, b]}}) do
+      Enum.find_value([{a, b}, {b, a}], fn {sig, x} ->
+        with %T{shape: ^shape, type: ^type} <- x,
+             %T{type: ^type, data: %Expr{op: :sigmoid, args: [y]}} <- strip(sig),
+             true <- same?(y, x) do
+          x
+        else
+          _ -> nil
+        end
+      end)
+    end
+
+    defp silu_of(_t), do: nil
+
+    defp silu_build(x, by, type, st) do
+      {xs, st} = operand(x, type, st)
+      {bs, st} = if by, do: operand(by, type, st), else: {nil, st}
+      emit(st, :silu, [xs, bs])
+    end
+
+    ## Dense
+
+    # Axon's dense layer, `dot(x, [last], w, [0]) + bias` with w (K, N) and bias (N), all
+    # of the result's type: the `dense` op, which adds the bias inside the product where
+    # the product is a matrix product (BLAS's `beta`, one pass over the result instead of
+    # two), so each element is the same dot product and sum, rounded in another order.
+    defp dense(%T{shape: shape, type: type, data: %Expr{args: [a, b]}}) do
+      Enum.find_value([{a, b}, {b, a}], fn {d, bias} ->
+        with %T{shape: ^shape, type: ^type, data: %Expr{op: :dot, args: dot}} <- strip(d),
+             [%T{type: ^type} = x, [c], [], %T{type: ^type, shape: {_k, n}} = w, [0], []] <- dot,
+             true <- c == tuple_size(x.shape) - 1,
+             %T{type: ^type, shape: {^n}} <- bias do
+          build = fn st ->
+            {xs, st} = operand(x, type, st)
+            {ws, st} = operand(w, type, st)
+            {bs, st} = operand(bias, type, st)
+            emit(st, :dense, [xs, ws, bs])
+          end
+
+          {%{rewrite: :dense}, build}
+        else
+          _ -> nil
+        end
+      end)
     end
 
     ## A slice of a product
