@@ -144,9 +144,9 @@ if Code.ensure_loaded?(Nx) do
     Axon's dense layer (`Nx.dot(x, [-1], kernel, [0]) + bias`, the bias a vector of the
     kernel's columns, one type) becomes one instruction that, where the product is a
     matrix product, has BLAS add the bias as it stores the result: one pass over it
-    instead of two (on a CPU, MLX's broadcast sum is a single-threaded pass, about a
-    fifth of a BERT-base feed-forward's time). Each element is the same products and
-    sum, summed in another order, so within f32's rounding of the unfused result. A
+    instead of two, one kernel instead of two on a GPU. Each element is the same
+    products and sum, summed in another order, so within the type's rounding of the
+    unfused result. A
     decoding step's rows (Emily's row kernels) and half types on a CPU keep the
     product and the sum.
 

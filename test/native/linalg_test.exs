@@ -469,6 +469,33 @@ defmodule Emily.Native.LinalgTest do
     end
   end
 
+  # Axon's dense layer: x's last axis times w, plus a bias of w's columns, against the
+  # plain-Elixir oracle, for a matrix product (addmm), one row (the row kernel), and none.
+  test "dense: x · w + bias, batched, one row and no rows" do
+    w = t(for(i <- 1..(37 * 23), do: :math.cos(i * 0.3)), {:f, 32}, {37, 23})
+    bias = t(for(i <- 1..23, do: i * 0.25), {:f, 32}, {23})
+
+    for shape <- [{2, 5, 37}, {1, 37}] do
+      n = div(Tuple.product(shape), 37)
+      x = t(for(i <- 1..(n * 37), do: :math.sin(i * 0.7)), {:f, 32}, shape)
+      out = N.dense(cpu(), x, w, bias)
+      assert Emily.shape(out) == put_elem(shape, tuple_size(shape) - 1, 23)
+
+      expect =
+        mm(rows(l(x), 37), rows(l(w), 23))
+        |> Enum.map(fn r -> Enum.zip_with(r, l(bias), &+/2) end)
+        |> List.flatten()
+
+      assert_close(l(out), expect, 1.0e-5)
+    end
+
+    none = N.dense(cpu(), t([], {:f, 32}, {0, 37}), w, bias)
+    assert Emily.shape(none) == {0, 23} and l(none) == []
+
+    assert_error(fn -> l(N.dense(cpu(), t([1.0, 2.0], {:f, 32}, {1, 2}), w, bias)) end, ~r/dense/)
+    assert_error(fn -> l(N.dense(cpu(), w, w, bias)) end, ~r/dense/)
+  end
+
   describe "tensordot" do
     test "contracts explicit axes lists" do
       # a {2, 3}, b {3, 2}: contracting a1 with b0 is matmul

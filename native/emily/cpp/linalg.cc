@@ -178,10 +178,10 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
 }
 
 // Axon's dense layer on x's last axis: where MLX would multiply the rows as a matrix
-// product, one addmm, in which BLAS adds the bias while it stores the product (on a CPU
-// the separate sum is a single-threaded pass over the whole result, about a fifth of a
-// BERT-base feed-forward's time). Elsewhere (a decoding step's rows through Emily's
-// kernels, half types on a CPU through f32) the product and the sum as the graph has them.
+// product, one addmm, in which BLAS adds the bias while it stores the product (the
+// separate sum is another pass over the result, and another kernel on a GPU). Elsewhere
+// (no rows, a decoding step's rows through Emily's kernels, half types on a CPU through
+// f32) the product and the sum as the graph has them.
 array dense(const array& x, const array& w, const array& bias, const Stream& s) {
   if (x.ndim() < 1 || w.ndim() != 2 || bias.ndim() != 1 || x.shape(-1) != w.shape(0) || bias.shape(0) != w.shape(1) ||
       x.dtype() != w.dtype() || bias.dtype() != w.dtype() || !mx::issubdtype(w.dtype(), mx::floating)) {
@@ -190,7 +190,7 @@ array dense(const array& x, const array& w, const array& bias, const Stream& s) 
   }
   int k = w.shape(0), n = w.shape(1);
   auto rows = mx::reshape(x, {static_cast<int>(x.size() / std::max(k, 1)), k}, s);
-  if (k == 0 || row_gemv_applies(rows, w, s) || cuda_gemv_applies(rows, w, s) || half_on_cpu(x.dtype(), s)) {
+  if (x.size() == 0 || row_gemv_applies(rows, w, s) || cuda_gemv_applies(rows, w, s) || half_on_cpu(x.dtype(), s)) {
     return mx::add(dot_general(x, {static_cast<int>(x.ndim()) - 1}, {}, w, {0}, {}, s), bias, s);
   }
   mx::Shape shape = x.shape();
