@@ -146,9 +146,8 @@ if Code.ensure_loaded?(Nx) do
     matrix product, has BLAS add the bias as it stores the result: one pass over it
     instead of two, one kernel instead of two on a GPU. Each element is the same
     products and sum, summed in another order, so within the type's rounding of the
-    unfused result. A
-    decoding step's rows (Emily's row kernels) and half types on a CPU keep the
-    product and the sum.
+    unfused result. A decoding step's rows (Emily's row kernels) and half types on a CPU
+    keep the product and the sum.
 
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as

@@ -415,6 +415,13 @@ if Code.ensure_loaded?(Nx) do
 
       assert Nx.to_binary(run(&gated_silu/2, [row, x])) ==
                Nx.to_binary(run(&gated_silu/2, [row, x], fuse: false))
+
+      # A gate that broadcasts against the factor: likewise.
+      assert [%{rewrite: :silu, gated: false, shape: {8}}] =
+               Emily.Compiler.fusions(&gated_silu/2, [x, row])
+
+      assert Nx.to_binary(run(&gated_silu/2, [x, row])) ==
+               Nx.to_binary(run(&gated_silu/2, [x, row], fuse: false))
     end
 
     ## Dense

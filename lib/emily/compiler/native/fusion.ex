@@ -7,10 +7,10 @@ if Code.ensure_loaded?(Nx) do
     # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to); Axon's
     # gelu, lowered to Emily's one-pass CPU kernel; Axon's silu, alone or gating another
     # product (a gated unit's `up * silu(gate)`), lowered to one kernel of the same ops
-    # (cpp/kernels.h); and Axon's dense layer, its bias added inside the product. A node is rewritten when it
-    # is the root of such a subgraph, matched on its ops, arguments and shapes; the
-    # nodes inside are then not lowered (unless something else reads them, which
-    # lowers them as usual).
+    # (cpp/kernels.h); and Axon's dense layer, its bias added inside the product. A node
+    # is rewritten when it is the root of such a subgraph, matched on its ops, arguments
+    # and shapes; the nodes inside are then not lowered (unless something else reads
+    # them, which lowers them as usual).
     #
     # A rewrite fires only where the kernel computes the graph's function: the same
     # reduction axis (the last) and divisor (its size: a mean, a biased variance), the
@@ -555,7 +555,7 @@ if Code.ensure_loaded?(Nx) do
         nil ->
           Enum.find_value([{a, b}, {b, a}], fn {act, by} ->
             with %T{shape: ^shape, type: ^type} <- by,
-                 %T{type: ^type} = act <- strip(act),
+                 %T{shape: ^shape, type: ^type} = act <- strip(act),
                  %T{} = x <- silu_of(act) do
               {%{rewrite: :silu, gated: true}, &silu_build(x, by, type, &1)}
             else
