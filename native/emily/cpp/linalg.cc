@@ -93,6 +93,13 @@ bool half_on_cpu(mx::Dtype type, const Stream& s) {
   return s.device == mx::Device::cpu && (type == mx::bfloat16 || type == mx::float16);
 }
 
+// Whether the floating product of x (M, K) and b (K, N) is MLX's matmul (BLAS on a CPU,
+// cuBLAS on a GPU): not a decoding step's rows through Emily's kernels, nor a half type
+// on a CPU through f32. dot_general's choice, and where `dense` can add its bias inside.
+bool blas_product(const array& x, const array& b, const Stream& s) {
+  return !row_gemv_applies(x, b, s) && !cuda_gemv_applies(x, b, s) && !half_on_cpu(x.dtype(), s);
+}
+
 array via_f32(const array& a, const array& b, mx::Dtype type, const Stream& s) {
   return mx::astype(mx::matmul(mx::astype(a, mx::float32, s), mx::astype(b, mx::float32, s), s), type, s);
 }
@@ -188,11 +195,11 @@ array dense(const array& x, const array& w, const array& bias, const Stream& s) 
     throw std::invalid_argument(
         "[dense] want x (..., K), a weight (K, N) and a bias (N), of one floating type");
   }
+  auto unfused = [&] { return mx::add(dot_general(x, {static_cast<int>(x.ndim()) - 1}, {}, w, {0}, {}, s), bias, s); };
+  if (x.size() == 0) return unfused();
   int k = w.shape(0), n = w.shape(1);
-  auto rows = mx::reshape(x, {static_cast<int>(x.size() / std::max(k, 1)), k}, s);
-  if (x.size() == 0 || row_gemv_applies(rows, w, s) || cuda_gemv_applies(rows, w, s) || half_on_cpu(x.dtype(), s)) {
-    return mx::add(dot_general(x, {static_cast<int>(x.ndim()) - 1}, {}, w, {0}, {}, s), bias, s);
-  }
+  auto rows = mx::reshape(x, {static_cast<int>(x.size() / k), k}, s);
+  if (!blas_product(rows, w, s)) return unfused();
   mx::Shape shape = x.shape();
   shape.back() = n;
   return mx::reshape(mx::addmm(bias, rows, w, 1.0f, 1.0f, s), shape, s);
