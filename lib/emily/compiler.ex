@@ -149,6 +149,13 @@ if Code.ensure_loaded?(Nx) do
     unfused result. A decoding step's rows (Emily's row kernels) and half types on a CPU
     keep the product and the sum.
 
+    Keys and values repeated over grouped heads and then written into a cache
+    (Bumblebee's `put_slice` of `repeat_interleave(x, g, axis: 2)` into a cache of all
+    the query heads, as its grouped-query models cache them) are written from the
+    unrepeated tensor, broadcast over the repeats into the cache viewed with its head
+    axis split in two: the same elements, without the copy that materialises the
+    repeat. Any type.
+
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as
     `fusions/3` lists them); `fusions/3` lists them for a function without running it.
@@ -509,10 +516,10 @@ if Code.ensure_loaded?(Nx) do
     found by lowering its graph without running it, with the compiler options `opts`
     (see "Fusion"): one map per rewrite, in the order the lowering made them, each with
     `:rewrite` (`:rms_norm`, `:layer_norm`, `:rope`, `:scaled_dot_product_attention`,
-    `:gelu`, `:silu`, `:dense` or `:sliced_dot`),
+    `:gelu`, `:silu`, `:dense`, `:sliced_dot` or `:repeated_update`),
     the result's `:shape` and `:type`, and the kernel's parameters (`:eps`, `:weight`,
     `:bias`; `:dims`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`;
-    `:gated`). Empty
+    `:gated`; `:groups`). Empty
     with `fuse: false`, and where the graph runs on the evaluator path.
 
         Emily.Compiler.fusions(&MyModel.forward/2, [params, input])

@@ -187,6 +187,8 @@ if Code.ensure_loaded?(Bumblebee) do
       assert count(rewrites, :scaled_dot_product_attention) >= 2 * blocks
       assert count(rewrites, :rms_norm) >= 2 * (4 * blocks + 1)
       assert count(rewrites, :rope) == 2 * blocks
+      # Both write each block's keys and values into the cache unrepeated.
+      assert count(rewrites, :repeated_update) == 2 * 2 * blocks
 
       info = load("whisper")
       {:ok, featurizer} = Bumblebee.load_featurizer(repo("whisper"))

@@ -88,6 +88,81 @@ defmodule Emily.Native.IndexTest do
                [-1, -2, 2, 3, -3, -4, 6, 7, 8, 9, 10, 11]
     end
 
+    # On a GPU the dynamic update is a scatter of the whole update (cpp/index.cc): the
+    # CPU's values, for any type, clamped starts, a broadcast update, and a program's
+    # replay whose updates share their starts.
+    @tag :gpu
+    test "dynamic on a GPU: the CPU's values" do
+      gpu = Emily.Stream.default(:gpu)
+
+      on_gpu = fn t ->
+        {shape, type} = Emily.describe(t)
+        Emily.from_binary(Emily.to_binary(t), shape, type, stream: gpu)
+      end
+
+      cache = t(Enum.map(0..(2 * 6 * 4 * 3 - 1), &(&1 * 1.0)), {:f, 32}, {2, 6, 4, 3})
+      row = t(Enum.map(1..(2 * 2 * 3), &(-&1 * 1.0)), {:f, 32}, {2, 1, 2, 1, 3})
+
+      for type <- [{:f, 32}, {:bf, 16}, {:s, 64}, {:u, 8}],
+          starts <- [[0, 3, 0, 0], [9, 9, 9, 9], [-1, -4, 0, 2]] do
+        a = N.astype(s(), cache, type)
+        # Each head of `row` twice, as a broadcast (stride 0), then merged into 4 heads.
+        u =
+          row |> then(&N.astype(s(), &1, type)) |> then(&N.broadcast_to(s(), &1, {2, 1, 2, 2, 3}))
+
+        u4 = N.reshape(s(), u, {2, 1, 4, 3})
+        idx = i32(starts)
+        want = l(N.slice_update_dynamic(s(), a, u4, idx, [0, 1, 2, 3]))
+
+        [ga, gu, gi] = Enum.map([a, row, idx], on_gpu)
+
+        gu =
+          gu |> then(&N.astype(gpu, &1, type)) |> then(&N.broadcast_to(gpu, &1, {2, 1, 2, 2, 3}))
+
+        gu4 = N.reshape(gpu, gu, {2, 1, 4, 3})
+
+        assert l(N.slice_update_dynamic(gpu, ga, gu4, gi, [0, 1, 2, 3])) == want,
+               inspect({type, starts})
+
+        # The split view of the same update, as the lowering writes Bumblebee's cache.
+        ga5 = N.reshape(gpu, ga, {2, 6, 2, 2, 3})
+        i5 = on_gpu.(i32(List.insert_at(starts, 3, 0)))
+        assert l(N.slice_update_dynamic(gpu, ga5, gu, i5, [0, 1, 2, 3, 4])) == want
+      end
+
+      # One axis listed; an update of several rows along it.
+      x = t(Enum.to_list(0..11), {:s, 32}, {3, 4})
+      u = i32([-1, -2, -3, -4, -5, -6], {3, 2})
+      want = l(N.slice_update_dynamic(s(), x, u, i32([1]), [1]))
+      assert want == [0, -1, -2, 3, 4, -3, -4, 7, 8, -5, -6, 11]
+      [gx, gu, gi] = Enum.map([x, u, i32([1])], on_gpu)
+      assert l(N.slice_update_dynamic(gpu, gx, gu, gi, [1])) == want
+
+      # A replay whose updates share one starts array (cpp/index.h's memo).
+      instrs = [
+        {:slice_update_dynamic, [0, 2, 3, [0]]},
+        {:slice_update_dynamic, [1, 2, 3, [0]]},
+        {:slice_update_dynamic, [0, 2, 4, [0]]}
+      ]
+
+      ins = [
+        t(Enum.map(0..5, &(&1 * 1.0))),
+        t([0.0, 1.0, 2.0, 3.0]),
+        t([-1.0, -2.0]),
+        i32([4]),
+        i32([1])
+      ]
+
+      cpu_outs =
+        Emily.Program.new(instrs, inputs: 5, outputs: [5, 6, 7]) |> Emily.Program.run(ins)
+
+      gpu_outs =
+        Emily.Program.new(instrs, inputs: 5, outputs: [5, 6, 7])
+        |> Emily.Program.run(Enum.map(ins, on_gpu), stream: gpu)
+
+      assert Enum.map(gpu_outs, &l/1) == Enum.map(cpu_outs, &l/1)
+    end
+
     test "errors", %{x: x} do
       assert_raise Emily.Error, ~r/slice_update/, fn ->
         l(N.slice_update(s(), x, i32([1, 2, 3], {1, 3}), [0, 0], [1, 2], [1, 1]))

@@ -1,7 +1,7 @@
 # Emily.Compiler's fusion rewrites (Emily.Compiler.Native.Fusion): RMS norm, layer norm,
-# attention, gelu and silu written as Bumblebee's and Axon's layers write them, compiled with the
-# rewrites and without (`fuse: false`) on random inputs, within the fused kernels'
-# tolerance, with the listing (`Emily.Compiler.fusions/3`) and the telemetry naming what
+# attention, gelu, silu, dense and the cache's repeated update written as Bumblebee's and
+# Axon's layers write them, compiled with the rewrites and without (`fuse: false`) on
+# random inputs, within the fused kernels' tolerance, with the listing (`Emily.Compiler.fusions/3`) and the telemetry naming what
 # fired; and the near misses that must not be rewritten (epsilon elsewhere, another axis
 # or divisor, a lossy cast, a mask that replaces scores, a softmax over another axis).
 if Code.ensure_loaded?(Nx) do
@@ -137,6 +137,24 @@ if Code.ensure_loaded?(Nx) do
       |> Nx.flatten(axes: [2, 3])
     end
 
+    # Bumblebee's append_attention_cache: the repeated keys written into the cache at
+    # the offset.
+    defn cache_repeated(cache, k, offset, opts \\ []) do
+      opts = keyword!(opts, groups: 2)
+      Nx.put_slice(cache, [0, offset, 0, 0], repeat_heads(k, opts[:groups]))
+    end
+
+    # Near misses: a cache of more heads than the update covers, and a repeat over
+    # another axis.
+    defn cache_partial(cache, k, offset) do
+      Nx.put_slice(cache, [0, offset, 1, 0], repeat_heads(k, 2))
+    end
+
+    defn cache_repeated_rows(cache, k, offset) do
+      r = k |> Nx.new_axis(2) |> Nx.tile([1, 1, 2, 1, 1]) |> Nx.flatten(axes: [1, 2])
+      Nx.put_slice(cache, [0, offset, 0, 0], r)
+    end
+
     defnp axon_softmax(x) do
       max = stop_grad(Nx.reduce_max(x, axes: [-1], keep_axes: true))
       e = Nx.exp(x - max)
@@ -250,7 +268,7 @@ if Code.ensure_loaded?(Nx) do
 
     ## Helpers
 
-    defp rand(shape, type \\ :f32, seed \\ 0) do
+    defp rand(shape, type, seed) do
       key = Nx.Random.key(seed) |> Nx.backend_transfer(Nx.BinaryBackend)
 
       {t, _} = Nx.Random.normal(key, shape: shape, type: :f32)
@@ -455,6 +473,43 @@ if Code.ensure_loaded?(Nx) do
 
       # A bias of another type (the sum promotes).
       assert Emily.Compiler.fusions(&axon_dense/3, [x, w, rand({5}, :bf16, 59)]) == []
+    end
+
+    ## An update of repeated heads
+
+    for type <- [:f32, :bf16, :s32] do
+      test "keys repeated over grouped heads, written into a cache, in #{type}: as unfused" do
+        type = Nx.Type.normalize!(unquote(type))
+        cache = rand({2, 9, 8, 4}, :f32, 60) |> Nx.multiply(4) |> Nx.as_type(type)
+        k = rand({2, 3, 2, 4}, :f32, 61) |> Nx.multiply(4) |> Nx.as_type(type)
+
+        # A tensor offset (a decoding step's), a number (the prompt's), one past the end
+        # (clamped, as Nx clamps it).
+        for offset <- [Nx.tensor(4), 0, Nx.tensor(8)] do
+          args = [cache, k, offset]
+          fun = &cache_repeated(&1, &2, &3, groups: 4)
+
+          assert Nx.to_binary(run(fun, args)) == Nx.to_binary(run(fun, args, fuse: false)),
+                 inspect(offset)
+
+          assert [%{rewrite: :repeated_update, groups: 4, shape: {2, 9, 8, 4}}] =
+                   Emily.Compiler.fusions(fun, args)
+        end
+      end
+    end
+
+    test "near misses of the repeated update are not rewritten" do
+      cache = rand({2, 9, 8, 4}, :f32, 62)
+      offset = Nx.tensor(2)
+      # Three heads repeated twice: six of the cache's eight.
+      k3 = rand({2, 1, 3, 4}, :f32, 63)
+      assert Emily.Compiler.fusions(&cache_partial/3, [cache, k3, offset]) == []
+
+      assert Nx.to_binary(run(&cache_partial/3, [cache, k3, offset])) ==
+               Nx.to_binary(run(&cache_partial/3, [cache, k3, offset], fuse: false))
+
+      rows = rand({2, 1, 8, 4}, :f32, 64)
+      assert Emily.Compiler.fusions(&cache_repeated_rows/3, [cache, rows, offset]) == []
     end
 
     ## A slice of a product

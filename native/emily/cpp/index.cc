@@ -72,14 +72,37 @@ thread_local StartsMemo* starts_memo = nullptr;
 
 array clamp_starts_now(const array& starts, const std::vector<int64_t>& limit, const Stream& s);
 
+std::vector<array> columns_of(const array& starts, const Stream& s) {
+  std::vector<array> out;
+  for (int i = 0; i < starts.shape(0); i++) out.push_back(mx::slice(starts, {i}, {i + 1}, s));
+  return out;
+}
+
+// The memo's entry for `starts` and `limit` (made on the first call), or nullptr
+// without a memo.
+StartsMemo::Entry* starts_entry(const array& starts, const std::vector<int64_t>& limit,
+                                const Stream& s) {
+  if (!starts_memo) return nullptr;
+  for (auto& e : starts_memo->entries)
+    if (e.id == starts.id() && e.stream == s.index && e.limit == limit) return &e;
+  starts_memo->entries.push_back(
+      {starts.id(), limit, s.index, clamp_starts_now(starts, limit, s), {}});
+  return &starts_memo->entries.back();
+}
+
 // `starts` (one per axis) clamped to [0, limit[i]] and made int32 (once per StartsMemo).
 array clamp_starts(const array& starts, const std::vector<int64_t>& limit, const Stream& s) {
-  if (!starts_memo) return clamp_starts_now(starts, limit, s);
-  for (const auto& e : starts_memo->entries)
-    if (e.id == starts.id() && e.stream == s.index && e.limit == limit) return e.value;
-  array value = clamp_starts_now(starts, limit, s);
-  starts_memo->entries.push_back({starts.id(), limit, s.index, value});
-  return value;
+  auto* e = starts_entry(starts, limit, s);
+  return e ? e->value : clamp_starts_now(starts, limit, s);
+}
+
+// The clamped starts as one {1} index array per axis (once per StartsMemo).
+std::vector<array> clamped_columns(const array& starts, const std::vector<int64_t>& limit,
+                                   const Stream& s) {
+  auto* e = starts_entry(starts, limit, s);
+  if (!e) return columns_of(clamp_starts_now(starts, limit, s), s);
+  if (e->columns.empty()) e->columns = columns_of(e->value, s);
+  return e->columns;
 }
 
 array clamp_starts_now(const array& starts, const std::vector<int64_t>& limit, const Stream& s) {
@@ -173,6 +196,14 @@ array slice_update_dynamic(const array& a, const array& update, const array& sta
   if (axes.empty()) return mx::slice_update(a, update, Shape(r, 0), update.shape(), s);
   std::vector<int64_t> limit;
   for (int ax : axes) limit.push_back(a.shape(ax) - update.shape(ax));
+  if (s.device == mx::Device::gpu && update.size() > 0) {
+    // On a GPU MLX's dynamic update is two kernels, one to compute the offset from the
+    // starts and the copy; a scatter of the whole update at the starts is one. Both
+    // write in place where `a`'s buffer can be donated, and read the update through
+    // its strides (a broadcast is not copied first).
+    return mx::scatter(a, clamped_columns(starts, limit, s), mx::expand_dims(update, 0, s),
+                       axes, s);
+  }
   return mx::slice_update(a, update, clamp_starts(starts, limit, s), axes, s);
 }
 

@@ -27,6 +27,8 @@ struct StartsMemo {
     std::vector<int64_t> limit;
     int stream;
     array value;
+    // The value's entries as {1} arrays, made on the first GPU update (scatter's indices).
+    std::vector<array> columns;
   };
   std::vector<Entry> entries;
   StartsMemo* previous;

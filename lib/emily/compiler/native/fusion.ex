@@ -7,7 +7,8 @@ if Code.ensure_loaded?(Nx) do
     # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to); Axon's
     # gelu, lowered to Emily's one-pass CPU kernel; Axon's silu, alone or gating another
     # product (a gated unit's `up * silu(gate)`), lowered to one kernel of the same ops
-    # (cpp/kernels.h); and Axon's dense layer, its bias added inside the product. A node
+    # (cpp/kernels.h); Axon's dense layer, its bias added inside the product; and a
+    # cache update of repeated heads, written unrepeated. A node
     # is rewritten when it is the root of such a subgraph, matched on its ops, arguments
     # and shapes; the nodes inside are then not lowered (unless something else reads
     # them, which lowers them as usual).
@@ -34,7 +35,7 @@ if Code.ensure_loaded?(Nx) do
     # The slot of `t` lowered to a fused kernel, with the rewrite recorded in
     # `st.fused`; nil where no rewrite matches `t`.
     def rewrite(%T{data: %Expr{op: op}} = t, st)
-        when op in [:multiply, :add, :dot, :divide, :slice] do
+        when op in [:multiply, :add, :dot, :divide, :slice, :put_slice] do
       # (A build may still decline, on values it computes: nil.)
       with {info, build} <- match(t),
            {_slot, _st} = built <- build.(st) do
@@ -93,6 +94,7 @@ if Code.ensure_loaded?(Nx) do
 
     defp match(%T{vectorized_axes: [_ | _]}), do: nil
     defp match(%T{shape: {}}), do: nil
+    defp match(%T{data: %Expr{op: :put_slice}} = t), do: repeated_update(t)
     defp match(%T{type: type}) when type not in @kernel_types, do: nil
 
     defp match(%T{data: %Expr{op: :dot}} = t), do: attention(t)
@@ -612,6 +614,45 @@ if Code.ensure_loaded?(Nx) do
       end)
     end
 
+    ## An update of repeated heads
+
+    # `put_slice(c, starts, r)` where r `{B, L, H * g, D}` repeats each head of x0
+    # `{B, L, H, D}` g times (Bumblebee's grouped-query keys and values, repeated before
+    # they are cached) and covers c's whole head axis: the same elements written into c
+    # viewed as `{B', L', H, g, D}`, from x0 broadcast over g. The repeat is then never
+    # copied (MLX reads a broadcast through its strides); the head axis's start clamps
+    # to 0 either way. Any type: it moves elements only.
+    defp repeated_update(%T{shape: {b, l, hg, d} = shape, type: type} = t) do
+      %Expr{args: [c, starts, r]} = t.data
+
+      with {_, _, ^hg, ^d} <- r.shape,
+           {:ok, x0, g} <- repeats(r) do
+        h = div(hg, g)
+
+        build = fn st ->
+          {cs, st} = operand(c, type, st)
+          {c5, st} = emit(st, :reshape, [cs, {b, l, h, g, d}])
+          {xb, xl, ^h, ^d} = x0.shape
+          {xs, st} = operand(x0, type, st)
+          {x5, st} = emit(st, :reshape, [xs, {xb, xl, h, 1, d}])
+          u5 = {xb, xl, h, g, d}
+          {u, st} = emit(st, :broadcast_to, [x5, u5])
+          starts = starts |> List.replace_at(2, 0) |> List.insert_at(3, 0)
+
+          {out, st} =
+            Emily.Compiler.Native.Index.put_slice(st, {c5, {b, l, h, g, d}}, {u, u5}, starts)
+
+          emit(st, :reshape, [out, shape])
+        end
+
+        {%{rewrite: :repeated_update, groups: g}, build}
+      else
+        _ -> nil
+      end
+    end
+
+    defp repeated_update(_t), do: nil
+
     ## A slice of a product
 
     # A slice of `dot(l, r)` (no batch axes) that keeps all of r's free axes: the product
@@ -812,8 +853,16 @@ if Code.ensure_loaded?(Nx) do
     # again. The broadcast axis must sit where, in element order, everything before it
     # is B * L * H and everything after it D.
     defp repeated_heads(t) do
-      with %T{data: %Expr{op: :transpose, args: [r, [0, 2, 1, 3]]}} <- strip(t),
-           {b, l, hg, d} <- r.shape,
+      case strip(t) do
+        %T{data: %Expr{op: :transpose, args: [r, [0, 2, 1, 3]]}} -> repeats(r)
+        _ -> nil
+      end
+    end
+
+    # `{:ok, x0, g}` where r `{B, L, H * g, D}` is x0 `{B, L, H, D}` with each head
+    # repeated g times in place, as above; nil otherwise.
+    defp repeats(r) do
+      with {b, l, hg, d} <- r.shape,
            %T{data: %Expr{op: :broadcast, args: [pre, out, axes]}} = bc <- through_reshapes(r),
            true <- axes == Enum.to_list(0..(tuple_size(out) - 1)//1),
            true <- tuple_size(pre.shape) == tuple_size(out),

@@ -118,18 +118,7 @@ if Code.ensure_loaded?(Nx) do
         {slot, st}
       else
         {u, st} = operand(update, type, st)
-
-        case known_starts(starts, st) do
-          {:ok, starts, st} ->
-            lengths = Tuple.to_list(update.shape)
-            {starts, stops} = Emily.Backend.Ops.slice_bounds(shape, starts, lengths)
-            ones = List.duplicate(1, tuple_size(shape))
-            emit(st, :slice_update, [slot, u, starts, stops, ones])
-
-          {:dynamic, st} ->
-            {starts, st} = starts_vector(starts, st)
-            emit(st, :slice_update_dynamic, [slot, u, starts, all_axes(shape)])
-        end
+        put_slice(st, {slot, shape}, {u, update.shape}, starts)
       end
     end
 
@@ -188,6 +177,23 @@ if Code.ensure_loaded?(Nx) do
     end
 
     defp id(%T{data: %Expr{id: id}}), do: id
+
+    @doc false
+    # The update slot `u` (of `upd_shape`, not empty) written into slot `x` (of `shape`)
+    # at Nx's `starts` (integers or scalar tensors, clamped as Nx clamps them).
+    def put_slice(st, {x, shape}, {u, upd_shape}, starts) do
+      case known_starts(starts, st) do
+        {:ok, starts, st} ->
+          lengths = Tuple.to_list(upd_shape)
+          {starts, stops} = Emily.Backend.Ops.slice_bounds(shape, starts, lengths)
+          ones = List.duplicate(1, tuple_size(shape))
+          emit(st, :slice_update, [x, u, starts, stops, ones])
+
+        {:dynamic, st} ->
+          {starts, st} = starts_vector(starts, st)
+          emit(st, :slice_update_dynamic, [x, u, starts, all_axes(shape)])
+      end
+    end
 
     # Start indices as numbers, where each is a number or a tensor computed from
     # constants alone (an unrolled loop's counter): computed now. {:dynamic, st} where
