@@ -20,7 +20,6 @@ if Code.ensure_loaded?(Nx) do
         typed: 2,
         constant_value: 2,
         axes: 2,
-        all_axes: 1,
         composed: 1
       ]
 
@@ -42,9 +41,9 @@ if Code.ensure_loaded?(Nx) do
           {starts, stops} = Emily.Backend.Ops.slice_bounds(x.shape, starts, lengths)
           emit(st, :slice, [slot, starts, stops, strides])
 
-        {:dynamic, st} ->
-          {starts, st} = starts_vector(starts, st)
-          emit(st, :slice_dynamic, [slot, starts, all_axes(x.shape), lengths, strides])
+        {:dynamic, starts, st} ->
+          {starts, axes, st} = dynamic_starts(starts, st)
+          emit(st, :slice_dynamic, [slot, starts, axes, lengths, strides])
       end
     end
 
@@ -189,40 +188,46 @@ if Code.ensure_loaded?(Nx) do
           ones = List.duplicate(1, tuple_size(shape))
           emit(st, :slice_update, [x, u, starts, stops, ones])
 
-        {:dynamic, st} ->
-          {starts, st} = starts_vector(starts, st)
-          emit(st, :slice_update_dynamic, [x, u, starts, all_axes(shape)])
+        {:dynamic, starts, st} ->
+          {starts, axes, st} = dynamic_starts(starts, st)
+          emit(st, :slice_update_dynamic, [x, u, starts, axes])
       end
     end
 
     # Start indices as numbers, where each is a number or a tensor computed from
-    # constants alone (an unrolled loop's counter): computed now. {:dynamic, st} where
-    # one reads an input.
+    # constants alone (an unrolled loop's counter): computed now. Where one reads an
+    # input, `{:dynamic, starts, st}`: those computed now as numbers, the rest tensors.
     defp known_starts(starts, st) do
-      {slots, st} =
+      {starts, st} =
         Enum.map_reduce(starts, st, fn
           i, st when is_integer(i) ->
             {i, st}
 
           %T{} = t, st ->
             {slot, st} = lower_node(t, st)
-            {{:slot, slot}, st}
-        end)
 
-      if Enum.all?(slots, &(is_integer(&1) or MapSet.member?(st.const, elem(&1, 1)))) do
-        {starts, st} =
-          Enum.map_reduce(slots, st, fn
-            i, st when is_integer(i) ->
-              {i, st}
-
-            {:slot, slot}, st ->
+            if MapSet.member?(st.const, slot) do
               {value, st} = constant_value(slot, st)
               {hd(Emily.to_list(value)), st}
-          end)
+            else
+              {t, st}
+            end
+        end)
 
-        {:ok, starts, st}
+      if Enum.all?(starts, &is_integer/1), do: {:ok, starts, st}, else: {:dynamic, starts, st}
+    end
+
+    # The start indices as one s64 vector, with the axes it gives starts for: where every
+    # integer start is 0, only the tensor starts (the op starts unlisted axes at 0), so
+    # that a decoding step's `[0, offset, 0, 0]` is the offset alone; otherwise all.
+    defp dynamic_starts(starts, st) do
+      if Enum.all?(starts, &(&1 == 0 or not is_integer(&1))) do
+        indexed = for {i, axis} <- Enum.with_index(starts), not is_integer(i), do: {i, axis}
+        {vector, st} = starts_vector(Enum.map(indexed, &elem(&1, 0)), st)
+        {vector, Enum.map(indexed, &elem(&1, 1)), st}
       else
-        {:dynamic, st}
+        {vector, st} = starts_vector(starts, st)
+        {vector, Enum.to_list(0..(length(starts) - 1)//1), st}
       end
     end
 
@@ -238,7 +243,10 @@ if Code.ensure_loaded?(Nx) do
             emit(st, :reshape, [slot, {1}])
         end)
 
-      emit(st, :concatenate, [parts, 0])
+      case parts do
+        [one] -> {one, st}
+        parts -> emit(st, :concatenate, [parts, 0])
+      end
     end
 
     defp unless_bounds_checked(op) do
