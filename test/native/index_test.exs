@@ -96,8 +96,7 @@ defmodule Emily.Native.IndexTest do
       gpu = Emily.Stream.default(:gpu)
 
       on_gpu = fn t ->
-        {shape, type} = Emily.describe(t)
-        Emily.from_binary(Emily.to_binary(t), shape, type, stream: gpu)
+        Emily.from_binary(Emily.to_binary(t), Emily.shape(t), Emily.dtype(t), stream: gpu)
       end
 
       cache = t(Enum.map(0..(2 * 6 * 4 * 3 - 1), &(&1 * 1.0)), {:f, 32}, {2, 6, 4, 3})

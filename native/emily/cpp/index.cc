@@ -196,11 +196,12 @@ array slice_update_dynamic(const array& a, const array& update, const array& sta
   if (axes.empty()) return mx::slice_update(a, update, Shape(r, 0), update.shape(), s);
   std::vector<int64_t> limit;
   for (int ax : axes) limit.push_back(a.shape(ax) - update.shape(ax));
-  if (s.device == mx::Device::gpu && update.size() > 0) {
+  if (s.device == mx::Device::gpu && update.size() > 0 && a.itemsize() < 8) {
     // On a GPU MLX's dynamic update is two kernels, one to compute the offset from the
     // starts and the copy; a scatter of the whole update at the starts is one. Both
     // write in place where `a`'s buffer can be donated, and read the update through
-    // its strides (a broadcast is not copied first).
+    // its strides (a broadcast is not copied first). (MLX's GPU scatter takes no
+    // 8-byte types.)
     return mx::scatter(a, clamped_columns(starts, limit, s), mx::expand_dims(update, 0, s),
                        axes, s);
   }
