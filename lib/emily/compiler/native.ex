@@ -239,7 +239,39 @@ if Code.ensure_loaded?(Nx) do
         device: device
       }
 
-      fold_constants(lowered, st)
+      lowered |> fold_constants(st) |> prune()
+    end
+
+    # The program without the instructions that no output reads, directly or through
+    # others: a rewritten subgraph's or a collapsed view's leftovers. MLX would not
+    # evaluate them, but each run would still build them.
+    defp prune(%{instrs: instrs, inputs: n, outputs: outputs} = lowered) do
+      indexed = Enum.with_index(instrs, n)
+
+      needed =
+        indexed
+        |> Enum.reverse()
+        |> Enum.reduce(MapSet.new(outputs), fn {instr, slot}, needed ->
+          if MapSet.member?(needed, slot),
+            do: MapSet.union(needed, MapSet.new(Emily.Program.input_slots(instr))),
+            else: needed
+        end)
+
+      case Enum.split_with(indexed, fn {_, slot} -> MapSet.member?(needed, slot) end) do
+        {_, []} ->
+          lowered
+
+        {kept, _} ->
+          index = kept |> Enum.with_index(n) |> Map.new(fn {{_, slot}, new} -> {slot, new} end)
+          renumber = fn slot -> if slot < n, do: slot, else: Map.fetch!(index, slot) end
+
+          %{
+            lowered
+            | instrs:
+                Enum.map(kept, fn {instr, _} -> Emily.Program.map_slots(instr, renumber) end),
+              outputs: Enum.map(outputs, renumber)
+          }
+      end
     end
 
     # The condition over the outputs: a walk of its own, from only the captured tensors
@@ -573,8 +605,37 @@ if Code.ensure_loaded?(Nx) do
     # its random ops take an explicit key and give the same numbers for the same key),
     # and slots are assigned once, so equal instructions hold equal values. Map keys
     # compare exactly, so 1 and 1.0, or 0.0 and -0.0 (OTP 27), stay apart.
+    #
+    # A view of a view is emitted as one view of the first one's input: a transpose of a
+    # transpose as their composition, nothing where that is the identity (Bumblebee's
+    # attention transposes its queries back and forth around the rotary embedding), a
+    # reshape of a reshape as one reshape. Each instruction left out is one MLX node
+    # fewer for the host to build and to evaluate.
     @doc false
-    def emit(st, op, args) do
+    def emit(st, :transpose, [x, perm]) do
+      case st.instr_at do
+        %{^x => {:transpose, [y, inner]}} ->
+          composed = Enum.map(perm, &Enum.at(inner, &1))
+
+          if composed == Enum.to_list(0..(length(composed) - 1)//1),
+            do: {y, st},
+            else: emit_new(st, :transpose, [y, composed])
+
+        _ ->
+          emit_new(st, :transpose, [x, perm])
+      end
+    end
+
+    def emit(st, :reshape, [x, shape]) do
+      case st.instr_at do
+        %{^x => {:reshape, [y, _]}} -> emit_new(st, :reshape, [y, shape])
+        _ -> emit_new(st, :reshape, [x, shape])
+      end
+    end
+
+    def emit(st, op, args), do: emit_new(st, op, args)
+
+    defp emit_new(st, op, args) do
       key = {op, args}
 
       case st.emitted do
