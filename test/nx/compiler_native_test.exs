@@ -76,6 +76,14 @@ if Code.ensure_loaded?(Nx) do
     # `x - 1` twice as two Nx nodes, and `i` cast to f32 for three ops.
     defn(duplicates(x, i), do: {(x - 1) * (x - 1) + i, (x + i) * i})
 
+    # Transposes that cancel, and a chain of reshapes.
+    defn views(x) do
+      back = x |> Nx.transpose(axes: [0, 2, 1]) |> Nx.transpose(axes: [0, 2, 1]) |> Nx.exp()
+      twice = x |> Nx.transpose(axes: [1, 0, 2]) |> Nx.transpose(axes: [0, 2, 1])
+      chain = x |> Nx.reshape({6, 4}) |> Nx.reshape({2, 12}) |> Nx.reshape({24})
+      {back, twice, chain}
+    end
+
     defn indexing(x, idx, pos) do
       {Nx.take(x, idx, axis: 0), Nx.take_along_axis(x, Nx.argsort(x, axis: 1), axis: 1),
        Nx.gather(x, Nx.stack([idx, Nx.remainder(idx + 1, 4)], axis: 1)),
@@ -654,6 +662,22 @@ if Code.ensure_loaded?(Nx) do
 
       assert outputs == [6, 8]
       check_paths(&duplicates/2, [x, i])
+    end
+
+    test "a view of a view is one view, none where transposes cancel" do
+      x = O.tensor({2, 3, 4}, {:f, 32})
+      {instrs, 1, outputs, [], _} = Emily.Compiler.Native.instructions_of(&views/1, [x])
+
+      # The exp's input is x (its transposes cancel); the other two transposes are their
+      # composition; the reshapes one reshape of x. Nothing else is left.
+      assert instrs == [
+               {:exp, [0]},
+               {:transpose, [0, [1, 2, 0]]},
+               {:reshape, [0, {24}]}
+             ]
+
+      assert outputs == [1, 2, 3]
+      check_paths(&views/1, [x])
     end
 
     test "what reads no input is computed once, at lowering" do
