@@ -84,6 +84,14 @@ if Code.ensure_loaded?(Nx) do
       {back, twice, chain}
     end
 
+    # A stopping test as Bumblebee's generation loop writes it: comparisons, a
+    # reduction and logical ops over Nx's u8 predicates.
+    defn stop_test(x, y) do
+      done = Nx.any(Nx.equal(x, y), axes: [1])
+      stop = Nx.logical_or(done, Nx.greater(x[[.., 0]], 2))
+      {Nx.select(stop, x[[.., 0]], 0), Nx.all(done)}
+    end
+
     defn indexing(x, idx, pos) do
       {Nx.take(x, idx, axis: 0), Nx.take_along_axis(x, Nx.argsort(x, axis: 1), axis: 1),
        Nx.gather(x, Nx.stack([idx, Nx.remainder(idx + 1, 4)], axis: 1)),
@@ -678,6 +686,32 @@ if Code.ensure_loaded?(Nx) do
 
       assert outputs == [1, 2, 3]
       check_paths(&views/1, [x])
+    end
+
+    test "a predicate is cast to u8 only where a result is" do
+      x = O.tensor({3, 4}, {:s, 32})
+      y = O.tensor({3, 4}, {:s, 32})
+
+      {instrs, 4, outputs, [_two, _zero], _} =
+        Emily.Compiler.Native.instructions_of(&stop_test/2, [x, y])
+
+      # `any`, `logical_or` and `all` read MLX's bools; the one cast is the u8 output's.
+      # Without it: a cast to u8 after each comparison and reduction, and back to bool
+      # before each logical op (3 casts more).
+      assert instrs == [
+               {:equal, [0, 1]},
+               {:any, [4, [1], false]},
+               {:slice, [0, [0, 0], [3, 1], [1, 1]]},
+               {:squeeze, [6, [1]]},
+               {:greater, [7, 2]},
+               {:logical_or, [5, 8]},
+               {:where, [9, 7, 3]},
+               {:all, [5, [0], false]},
+               {:astype, [11, {:u, 8}]}
+             ]
+
+      assert outputs == [10, 12]
+      check_paths(&stop_test/2, [x, y])
     end
 
     test "what reads no input is computed once, at lowering" do

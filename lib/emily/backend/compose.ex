@@ -129,6 +129,9 @@ if Code.ensure_loaded?(Nx) do
                 Map.values(Emily.Backend.Ops.classify()) ++
                 [:logical_not, :all, :any, :allclose]
 
+    @doc "The op table's ops whose result is MLX's bool."
+    def bool_ops, do: @bool_ops
+
     # `op` (the op table's) on `args`, cast to Nx's `type`: MLX answers comparisons and
     # logical ops in bool (Nx in u8), and keeps 8- and 16-bit integers in its scans. (A
     # bool result wanted as bool, a predicate's, needs no cast.)

@@ -633,7 +633,43 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    # A cast to bool of a bool, or of a bool cast to another type, is that bool; `any`
+    # and `all` of a bool cast to another type read the bool (a cast of a bool is 0 or 1).
+    # Nx's comparisons answer u8, so Bumblebee's stopping test casts MLX's bool to u8
+    # and back between each comparison, reduction and logical op: a kernel each.
+    def emit(st, :astype, [x, :bool] = args) do
+      case uncast_bool(st, x) do
+        nil -> emit_new(st, :astype, args)
+        y -> {y, st}
+      end
+    end
+
+    def emit(st, op, [x | rest] = args) when op in [:any, :all] do
+      case uncast_bool(st, x) do
+        nil -> emit_new(st, op, args)
+        y -> emit_new(st, op, [y | rest])
+      end
+    end
+
     def emit(st, op, args), do: emit_new(st, op, args)
+
+    @bool_ops Emily.Backend.Compose.bool_ops()
+
+    # The bool slot `x` holds, as itself or cast to another type; nil if none.
+    defp uncast_bool(st, x) do
+      case st.instr_at do
+        %{^x => {:astype, [y, _]}} -> if bool?(st, y), do: y, else: if(bool?(st, x), do: x)
+        _ -> if bool?(st, x), do: x
+      end
+    end
+
+    defp bool?(st, x) do
+      case st.instr_at do
+        %{^x => {:astype, [_, :bool]}} -> true
+        %{^x => {op, _}} -> op in @bool_ops
+        _ -> false
+      end
+    end
 
     defp emit_new(st, op, args) do
       key = {op, args}
