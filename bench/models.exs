@@ -58,7 +58,11 @@ Code.require_file("support/decode.exs", __DIR__)
 defmodule Bench.Models do
   @moduledoc false
 
-  def python(args, env \\ []), do: Bench.python(Path.join(__DIR__, "models.py"), args, env)
+  # models.py's `name value` lines, keyed by atoms as Emily's side is.
+  def python(args, env \\ []) do
+    Bench.python(Path.join(__DIR__, "models.py"), args, env)
+    |> Map.new(fn {k, v} -> {String.to_atom(k), v} end)
+  end
 
   # A Python side that may be missing (mlx-lm on a GPU host, say): nil then.
   def python_maybe(args, env \\ []) do
@@ -68,11 +72,6 @@ defmodule Bench.Models do
       IO.puts("  (#{Enum.at(args, 1)}: #{Exception.message(e) |> String.slice(0, 120)})")
       nil
   end
-
-  # The bytes of weights one decode token reads: every layer's matrices, the final
-  # norm, and the tied embedding once, as the LM head (the embedding lookup reads one
-  # row). Qwen3-0.6B's shape.
-  def decode_tok_s(r), do: r[:decode_tok_s] || r["decode_tok_s"]
 
   # " (min-max of N rounds)" where there were several.
   def range([_]), do: ""
@@ -84,9 +83,12 @@ defmodule Bench.Models do
 
   # A side's rounds: the fastest, with every round's decode tok/s under :rounds.
   def best_round(rs) do
-    rs |> Enum.max_by(&decode_tok_s/1) |> Map.put(:rounds, Enum.map(rs, &decode_tok_s/1))
+    rs |> Enum.max_by(& &1.decode_tok_s) |> Map.put(:rounds, Enum.map(rs, & &1.decode_tok_s))
   end
 
+  # The bytes of weights one decode token reads: every layer's matrices, the final
+  # norm, and the tied embedding once, as the LM head (the embedding lookup reads one
+  # row). Qwen3-0.6B's shape.
   def qwen_weight_bytes(bytes_per) do
     {h, nq, nkv, d, f, vocab, layers} = {1024, 16, 8, 128, 3072, 151_936, 28}
     per_layer = h * nq * d + 2 * h * nkv * d + nq * d * h + 3 * h * f + 2 * h + 2 * d
@@ -229,8 +231,8 @@ MLX #{Emily.mlx_version()} on #{Emily.default_device()}#{if bumblebee?, do: "; N
 bw = M.python(["bandwidth"])
 
 IO.puts(
-  "Memory bandwidth: copy #{D.f(bw["copy_gbs"], 1)} GB/s (read + written, numpy), " <>
-    "read #{D.f(bw["read_gbs"], 1)} GB/s (sum, PyTorch)\n"
+  "Memory bandwidth: copy #{D.f(bw[:copy_gbs], 1)} GB/s (read + written, numpy), " <>
+    "read #{D.f(bw[:read_gbs], 1)} GB/s (sum, PyTorch)\n"
 )
 
 # A 128-character ASCII prompt: 128 tokens.
@@ -308,15 +310,15 @@ if qwen != [] do
     bytes = M.qwen_weight_bytes(if type == :f32, do: 4, else: 2)
     # The host's bandwidth bounds a CPU decode; on a GPU the weights are read from its
     # own memory, which this run does not measure.
-    bound = if not gpu? and bw["read_gbs"], do: bw["read_gbs"] * 1.0e9 / bytes
+    bound = if not gpu? and bw[:read_gbs], do: bw.read_gbs * 1.0e9 / bytes
 
     for {side, label} <- [emily: "Bumblebee on Emily", mlx: "mlx-lm", torch: "transformers"],
         x = r[side] do
       IO.puts(
-        "| #{type} | #{label} | #{D.f(x[:prefill_ms] || x["prefill_ms"], 0)} | " <>
-          "#{D.f(M.decode_tok_s(x), 2)}#{M.range(x.rounds)} | #{D.f(x[:rss_peak_mb] || x["rss_peak_mb"], 0)} | " <>
-          "#{D.f(x[:mlx_peak_mb] || x["mlx_peak_mb"], 0)} | " <>
-          "#{D.ratio(r[:emily] && r[:emily][:decode_tok_s], M.decode_tok_s(x))} | " <>
+        "| #{type} | #{label} | #{D.f(x[:prefill_ms], 0)} | " <>
+          "#{D.f(x.decode_tok_s, 2)}#{M.range(x.rounds)} | #{D.f(x[:rss_peak_mb], 0)} | " <>
+          "#{D.f(x[:mlx_peak_mb], 0)} | " <>
+          "#{D.ratio(r[:emily] && r[:emily][:decode_tok_s], x.decode_tok_s)} | " <>
           "#{D.f(bound, 2)} tok/s (#{D.f(bytes / 1.0e9, 2)} GB/token) |"
       )
     end
