@@ -262,16 +262,23 @@ if Code.ensure_loaded?(Nx) do
           lowered
 
         {kept, _} ->
-          index = kept |> Enum.with_index(n) |> Map.new(fn {{_, slot}, new} -> {slot, new} end)
-          renumber = fn slot -> if slot < n, do: slot, else: Map.fetch!(index, slot) end
-
-          %{
-            lowered
-            | instrs:
-                Enum.map(kept, fn {instr, _} -> Emily.Program.map_slots(instr, renumber) end),
-              outputs: Enum.map(outputs, renumber)
-          }
+          renumbered(lowered, kept, n, %{})
       end
+    end
+
+    # `lowered` with only the instructions `kept` (`{instr, slot}`, in order), whose
+    # slots are numbered on from `first`; `index` holds the new numbers of other slots
+    # (the folded values). An input keeps its number.
+    defp renumbered(lowered, kept, first, index) do
+      n = lowered.inputs
+      index = kept |> Enum.with_index(first) |> Enum.into(index, fn {{_, s}, new} -> {s, new} end)
+      renumber = fn slot -> if slot < n, do: slot, else: Map.fetch!(index, slot) end
+
+      %{
+        lowered
+        | instrs: Enum.map(kept, fn {instr, _} -> Emily.Program.map_slots(instr, renumber) end),
+          outputs: Enum.map(lowered.outputs, renumber)
+      }
     end
 
     # The condition over the outputs: a walk of its own, from only the captured tensors
@@ -333,20 +340,11 @@ if Code.ensure_loaded?(Nx) do
     # reads, then its own instructions' slots.
     defp refold(lowered, live, needed, values) do
       n = lowered.inputs
-      index = needed |> Enum.with_index(n) |> Map.new()
-
-      index =
-        live
-        |> Enum.with_index(n + length(needed))
-        |> Enum.reduce(index, fn {{_instr, slot}, new}, index -> Map.put(index, slot, new) end)
-
-      renumber = fn slot -> if slot < n, do: slot, else: Map.fetch!(index, slot) end
+      folded = needed |> Enum.with_index(n) |> Map.new()
 
       %{
-        lowered
-        | instrs: Enum.map(live, fn {instr, _} -> Emily.Program.map_slots(instr, renumber) end),
-          inputs: n + length(needed),
-          outputs: Enum.map(lowered.outputs, renumber),
+        renumbered(lowered, live, n + length(needed), folded)
+        | inputs: n + length(needed),
           extras: lowered.extras ++ values
       }
     end
@@ -657,9 +655,12 @@ if Code.ensure_loaded?(Nx) do
 
     # The bool slot `x` holds, as itself or cast to another type; nil if none.
     defp uncast_bool(st, x) do
-      case st.instr_at do
-        %{^x => {:astype, [y, _]}} -> if bool?(st, y), do: y, else: if(bool?(st, x), do: x)
-        _ -> if bool?(st, x), do: x
+      source = with %{^x => {:astype, [y, _]}} <- st.instr_at, do: y, else: (_ -> x)
+
+      cond do
+        bool?(st, source) -> source
+        bool?(st, x) -> x
+        true -> nil
       end
     end
 

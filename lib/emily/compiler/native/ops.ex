@@ -9,7 +9,6 @@ if Code.ensure_loaded?(Nx) do
     # Emily.Compiler.Native.Control.
 
     alias Nx.Tensor, as: T
-    alias Nx.Defn.Expr
     alias Emily.Backend.Compose
     alias Emily.Compiler.Native.{Control, Index}
 
@@ -357,15 +356,9 @@ if Code.ensure_loaded?(Nx) do
 
     def lower_op(op, _args, _t, _st), do: throw({:unsupported, {:op, op}})
 
-    # A predicate (a select's, a logical op's operand) as MLX's bool: a comparison's or
-    # logical op's own result, without the cast to Nx's u8 and the cast back; any other
-    # node cast.
-    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@compare, op),
-      do: compared(Map.fetch!(@compare, op), l, r, :bool, st)
-
-    defp predicate(%T{data: %Expr{op: op, args: [l, r]}}, st) when is_map_key(@logical, op),
-      do: logical(Map.fetch!(@logical, op), [l, r], :bool, st)
-
+    # A predicate (a select's, a logical op's operand) as MLX's bool. A comparison's or
+    # logical op's own bool result is read through its cast to Nx's u8 (emit/3 drops
+    # the cast back, and the program drops the unread cast).
     defp predicate(x, st), do: operand(x, :bool, st)
 
     # A comparison (`name`, MLX's) of two nodes, as `type` (Compose.compare/5).
