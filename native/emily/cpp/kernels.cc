@@ -7,12 +7,14 @@
 //
 // The kernels here run the same formulas (MLX's exp, erf and sigmoid, in the same order
 // of operations), eight lanes at a time with AVX2 and hardware FMA: an fma rounds once,
-// in hardware or in libm, so the results are MLX's to the bit. They are chosen per CPU at
-// run time and only on x86-64; elsewhere the MLX op runs.
+// in hardware or in libm, so the results are MLX's to the bit; a large array's pass is
+// split over the cores (pool.h), where MLX's runs on one. They are chosen per CPU at run
+// time and only on x86-64; elsewhere the MLX op runs.
 #include "kernels.h"
 
 #include <typeinfo>
 
+#include "pool.h"
 #include "vector.h"
 
 #if EMILY_VECTOR_KERNELS
@@ -69,6 +71,10 @@ namespace {
 
 using namespace vec;
 
+// Elements from which a kernel's pass is split over the pool's threads (pool.h): some
+// tens of microseconds of work, past the cost of waking them.
+constexpr size_t kSplit = 1 << 16;
+
 bool applies(const array& a, const Stream& s) {
   return s.device == mx::Device::cpu && a.dtype() == mx::float32 && vector_cpu();
 }
@@ -107,7 +113,9 @@ class Elementwise : public mx::UnaryPrimitive {
     encoder.set_input_array(in);
     encoder.set_output_array(out);
     encoder.dispatch([in = array::unsafe_weak_copy(in), out = array::unsafe_weak_copy(out), c = c_]() mutable {
-      map<F>(in.data<float>(), out.data<float>(), in.data_size(), c);
+      const float* x = in.data<float>();
+      float* y = out.data<float>();
+      pool::ranges(in.data_size(), kSplit, 8, [&](size_t a, size_t b) { map<F>(x + a, y + a, b - a, c); });
     });
   }
 
@@ -158,7 +166,11 @@ class Softmax : public mx::UnaryPrimitive {
     encoder.set_output_array(out);
     size_t m = in.shape().back();
     encoder.dispatch([in = array::unsafe_weak_copy(in), out = array::unsafe_weak_copy(out), m]() mutable {
-      if (m > 0) softmax_rows(in.data<float>(), out.data<float>(), in.size() / m, m);
+      if (m == 0) return;
+      const float* x = in.data<float>();
+      float* y = out.data<float>();
+      pool::ranges(in.size() / m, (kSplit + m - 1) / m, 1,
+                   [&](size_t a, size_t b) { softmax_rows(x + a * m, y + a * m, b - a, m); });
     });
   }
 
@@ -206,7 +218,11 @@ class Silu : public mx::Primitive {
     auto x = array::unsafe_weak_copy(inputs[0]);
     auto by = inputs.size() > 1 ? std::optional<array>(array::unsafe_weak_copy(inputs[1])) : std::nullopt;
     encoder.dispatch([x, by, out = array::unsafe_weak_copy(out)]() mutable {
-      silu_map(x.data<float>(), by ? by->data<float>() : nullptr, out.data<float>(), x.size());
+      const float* xp = x.data<float>();
+      const float* bp = by ? by->data<float>() : nullptr;
+      float* y = out.data<float>();
+      pool::ranges(x.size(), kSplit, 8,
+                   [&](size_t a, size_t b) { silu_map(xp + a, bp ? bp + a : nullptr, y + a, b - a); });
     });
   }
 
