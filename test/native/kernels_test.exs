@@ -1,11 +1,12 @@
 defmodule Emily.Native.KernelsTest do
   use Emily.TestCase, async: true
 
-  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid, gelu_erf, silu and softmax on a
-  # CPU stream run Emily's vector kernels (cpp/kernels.cc), which compute MLX's own
+  # On an x86-64 CPU with AVX2 and FMA, f32 exp, erf, sigmoid, gelu_erf, silu and softmax on
+  # a CPU stream run Emily's vector kernels (cpp/kernels.cc), which compute MLX's own
   # formulas eight lanes at a time and the last `rem(n, 8)` elements through MLX's scalar
   # code. So a value's result must be the same bits whether it falls in a lane or in
-  # that tail, and gelu_erf's those of the five MLX ops it stands for.
+  # that tail, and gelu_erf's those of the five MLX ops it stands for. The norms
+  # (cpp/norm.cc) must give the bits of MLX's composition of them.
 
   # f32 bit patterns: a sweep of [-100, 100], the ranges' edges and IEEE's special values,
   # and the floats around x = ln(2) / 2, where `x * log2(e)` comes within an ulp of one
@@ -211,5 +212,95 @@ defmodule Emily.Native.KernelsTest do
     row = Enum.take(inputs(), 9)
     x = N.reshape(cpu(), tensor([nan | tl(row)] ++ List.duplicate(ninf, 9)), {2, 9})
     assert l(N.softmax(cpu(), x, [1], true)) == List.duplicate(:nan, 18)
+  end
+
+  # A pass over at least 64K elements is split over the pool's threads, in ranges whose
+  # lengths are multiples of the lanes: each element gets the bits of one pass over it.
+  test "passes split over the threads give the bits of small unsplit passes" do
+    bits = inputs()
+    reps = div(200_000, length(bits)) + 1
+    big = tensor(List.flatten(List.duplicate(bits, reps)) ++ Enum.take(bits, 3))
+
+    for {fun, args} <- [exp: [], erf: [], sigmoid: [], gelu_erf: [1.5], silu: [nil]] do
+      one = canonical(words(apply(N, fun, [cpu(), tensor(bits)] ++ args)))
+      whole = canonical(words(apply(N, fun, [cpu(), big] ++ args)))
+      assert whole == List.flatten(List.duplicate(one, reps)) ++ Enum.take(one, 3), "#{fun}"
+    end
+
+    rows = N.reshape(cpu(), N.slice(cpu(), big, [0], [4096 * 37], [1]), {4096, 37})
+    split = canonical(words(N.softmax(cpu(), rows, [1], true)))
+
+    each =
+      canonical(words(N.softmax(cpu(), N.slice(cpu(), rows, [0, 0], [8, 37], [1, 1]), [1], true)))
+
+    assert Enum.take(split, 8 * 37) == each
+  end
+
+  # MLX's layer and RMS norms on a CPU stream, as mlx/fast.cpp composes them.
+  defp norm_ops(x, w, b, eps, center?) do
+    m = elem(Emily.shape(x), tuple_size(Emily.shape(x)) - 1)
+    axis = tuple_size(Emily.shape(x)) - 1
+    mean = &N.multiply(cpu(), N.sum(cpu(), &1, [axis], true), scalar(1 / m, {:f, 32}))
+    xc = if center?, do: N.subtract(cpu(), x, mean.(x)), else: x
+    var = mean.(N.square(cpu(), xc))
+    y = N.multiply(cpu(), xc, N.rsqrt(cpu(), N.add(cpu(), var, scalar(eps, {:f, 32}))))
+    y = if w, do: N.multiply(cpu(), y, w), else: y
+    if b, do: N.add(cpu(), y, b), else: y
+  end
+
+  defp normal(shape, seed) do
+    N.normal(cpu(), N.key(cpu(), seed), 3.0, 2.0, shape, {:f, 32})
+  end
+
+  test "layer_norm and rms_norm: MLX's composition, to the bit" do
+    # 29 rows: three groups of eight in the lanes, five one at a time; rows of 773
+    # (96 lanes and a tail of 5) and of 3; a row of 70_000 is split over the threads.
+    for {shape, seed} <- [{{29, 773}, 1}, {{2, 3, 3}, 2}, {{1, 70_000}, 3}, {{300, 256}, 4}] do
+      x = normal(shape, seed)
+      m = elem(shape, tuple_size(shape) - 1)
+      w = normal({m}, seed + 10)
+      b = normal({m}, seed + 20)
+
+      for {wt, bt} <- [{nil, nil}, {w, nil}, {nil, b}, {w, b}], eps <- [1.0e-5, 0.5] do
+        label = "#{inspect(shape)} weight: #{wt != nil} bias: #{bt != nil} eps: #{eps}"
+
+        assert words(N.layer_norm(cpu(), x, wt, bt, eps)) ==
+                 words(norm_ops(x, wt, bt, eps, true)),
+               "layer_norm " <> label
+
+        if bt == nil do
+          assert words(N.rms_norm(cpu(), x, wt, eps)) == words(norm_ops(x, wt, nil, eps, false)),
+                 "rms_norm " <> label
+        end
+      end
+    end
+  end
+
+  test "layer_norm and rms_norm: strided input, non-finite values, bf16 and bad operands" do
+    x = normal({16, 24}, 5)
+    w = normal({16}, 6)
+    xt = N.transpose(cpu(), x, [1, 0])
+    assert words(N.layer_norm(cpu(), xt, w, w, 1.0e-5)) == words(norm_ops(xt, w, w, 1.0e-5, true))
+    assert words(N.rms_norm(cpu(), xt, w, 1.0e-5)) == words(norm_ops(xt, w, nil, 1.0e-5, false))
+
+    special = tensor([0x7FC00000, 0x7F800000, 0xFF800000] ++ Enum.take(inputs(), 13))
+    special = N.reshape(cpu(), N.concatenate(cpu(), [special, special], 0), {2, 16})
+
+    assert canonical(words(N.layer_norm(cpu(), special, nil, nil, 0.0))) ==
+             canonical(words(norm_ops(special, nil, nil, 0.0, true)))
+
+    # bf16 is MLX's own call (its composition widens to f32 and rounds once).
+    xb = N.astype(cpu(), x, {:bf, 16})
+    assert Emily.dtype(N.layer_norm(cpu(), xb, nil, nil, 1.0e-5)) == {:bf, 16}
+
+    assert_raise Emily.Error, ~r/layer_norm.*weight must have the same size/, fn ->
+      Emily.to_binary(N.layer_norm(cpu(), x, normal({5}, 7), nil, 1.0e-5))
+    end
+
+    assert_raise Emily.Error, ~r/rms_norm.*must have 1 dimension/, fn ->
+      Emily.to_binary(N.rms_norm(cpu(), x, x, 1.0e-5))
+    end
+
+    assert words(N.rms_norm(cpu(), x, nil, 1.0e-5)) == words(norm_ops(x, nil, nil, 1.0e-5, false))
   end
 end

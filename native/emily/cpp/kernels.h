@@ -26,6 +26,12 @@ array gelu_erf(const array& x, float c, const Stream& s);
 // one pass; on a GPU, MLX's compiled form of the same ops (one fused kernel, not three).
 array silu(const array& x, const std::optional<array>& by, const Stream& s);
 
+// mx::fast::layer_norm and mx::fast::rms_norm, which on a CPU stream MLX computes as a
+// composition of ops: in f32, that composition in one kernel (norm.cc).
+array layer_norm(const array& x, const std::optional<array>& weight, const std::optional<array>& bias, float eps,
+                 const Stream& s);
+array rms_norm(const array& x, const std::optional<array>& weight, float eps, const Stream& s);
+
 // mx::softmax.
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s);
 
