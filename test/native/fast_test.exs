@@ -324,6 +324,87 @@ defmodule Emily.Native.FastTest do
       end
     end
 
+    # More query rows than a step's, f32, on an x86-64 CPU: Emily's kernel runs the
+    # composition's steps on q, k and v in place (an encoder's or a prompt's projections
+    # laid out [B, L, heads, D], read transposed) and writes its output in that layout:
+    # the composition's values, and its bits where the heads are not grouped. Keys read
+    # through a strided last axis or broadcast rows are copied for BLAS first.
+    test "a prompt's attention on projections laid out [B, L, heads, D]" do
+      {b, h, l, d} = {2, 3, 37, 16}
+
+      proj = fn f ->
+        N.transpose(s(), t(seq(b * l * h * d, f), {:f, 32}, {b, l, h, d}), [0, 2, 1, 3])
+      end
+
+      q = proj.(&:math.cos(&1 * 1.3))
+      k = proj.(&:math.sin(&1 * 0.7))
+      v = proj.(&:math.cos(&1 * 0.2))
+      keep = for bi <- 0..(b - 1), j <- 0..(l - 1), do: j < 30 + 7 * bi
+      lowest = -3.4028234663852886e38
+      bool = t(keep, :bool, {b, 1, 1, l})
+      add = t(Enum.map(keep, &if(&1, do: 0.0, else: lowest)), {:f, 32}, {b, 1, 1, l})
+      causal = t(for(i <- 0..(l - 1), j <- 0..(l - 1), do: j <= i), :bool, {l, l})
+      bits = &Emily.to_binary/1
+
+      with_cpu(fn ->
+        for {mode, mask, ref} <- [
+              {"", nil, nil},
+              {"array", bool, {:bool, bool}},
+              {"array", add, {:add, add}},
+              {"causal", nil, {:bool, causal}}
+            ] do
+          y = N.scaled_dot_product_attention(s(), q, k, v, 0.25, mode, mask, nil)
+          assert bits.(y) == bits.(ref_sdpa(q, k, v, 0.25, ref)), "mask #{inspect(ref)}"
+
+          # Transposed back and flattened, as Bumblebee reads it.
+          flat = N.reshape(s(), N.transpose(s(), y, [0, 2, 1, 3]), {b, l, h * d})
+
+          assert bits.(flat) ==
+                   bits.(
+                     N.reshape(
+                       s(),
+                       N.transpose(s(), ref_sdpa(q, k, v, 0.25, ref), [0, 2, 1, 3]),
+                       {b, l, h * d}
+                     )
+                   )
+        end
+
+        # Grouped-query heads: 6 query heads over the 3 key/value heads.
+        q6 =
+          N.transpose(s(), t(seq(b * l * 6 * d, &:math.cos(&1 * 0.9)), {:f, 32}, {b, l, 6, d}), [
+            0,
+            2,
+            1,
+            3
+          ])
+
+        y = N.scaled_dot_product_attention(s(), q6, k, v, 0.25, "array", add, nil)
+        assert_close(l(y), l(ref_sdpa(q6, k, v, 0.25, {:add, add})), 1.0e-5)
+
+        # Keys with a strided last axis, and one key row broadcast over the length.
+        ks =
+          N.transpose(s(), t(seq(b * h * d * l, &:math.sin(&1 * 0.3)), {:f, 32}, {b, h, d, l}), [
+            0,
+            1,
+            3,
+            2
+          ])
+
+        y = N.scaled_dot_product_attention(s(), q, ks, v, 0.25, "", nil, nil)
+        assert_close(l(y), l(ref_sdpa(q, ks, v, 0.25)), 1.0e-5)
+
+        k1 =
+          N.broadcast_to(
+            s(),
+            N.slice(s(), k, [0, 0, 0, 0], [b, h, 1, d], [1, 1, 1, 1]),
+            {b, h, l, d}
+          )
+
+        y = N.scaled_dot_product_attention(s(), q, k1, v, 0.25, "causal", nil, nil)
+        assert_close(l(y), l(ref_sdpa(q, k1, v, 0.25, {:bool, causal})), 1.0e-5)
+      end)
+    end
+
     # bf16 operands of a decoding step (Emily's kernel on an x86-64 CPU, and on a CUDA
     # GPU with an array mask): against the f32 reference on the same rounded values,
     # within bf16's rounding of the result; the causal mask, a bool and a bf16 additive

@@ -1,15 +1,23 @@
 // Scaled dot-product attention on a CPU stream. MLX computes it there as a composition
-// of ops (mlx/fast.cpp's fallback): q·kᵀ, the mask, softmax, ·v. Emily runs that
-// composition with its own softmax (kernels.cc), except for the few query rows of a
-// decoding step: there the composition's cost is not arithmetic but copies, since a
-// key/value cache laid out [B, L, heads, D] (as Bumblebee keeps it) reaches the products
-// transposed and MLX's matmul copies every non-contiguous operand, the whole cache, for
-// every layer and step. The decoding kernel reads q, k, v and the mask through their
-// strides instead: for each (batch, head, row) the scaled dot products with every key,
-// the mask, MLX's softmax, and the weighted sum of the values in key order; in f32 like
-// the composition, with its sums in another order. bf16 operands are widened exactly and
-// the result rounded once (where MLX's bf16 composition rounds each step). Grouped-query
-// heads read their key/value head in place. (On MLX's CUDA backend: cuda_attention.cc.)
+// of ops (mlx/fast.cpp's fallback): q·kᵀ, the mask, softmax, ·v. A key/value cache or a
+// projection laid out [B, L, heads, D] (as Bumblebee keeps them) reaches those products
+// transposed, and MLX's matmul copies every operand whose rows are not packed, so the
+// composition copies q, k and v, and the output goes back to [B, L, heads, D] in one
+// more copy. Emily's two kernels read q, k, v and the mask through their strides:
+//
+// - a decoding step's few query rows: for each (batch, head, row) the scaled dot
+//   products with every key, the mask, MLX's softmax, and the weighted sum of the values
+//   in key order; in f32 like the composition, with its sums in another order. bf16
+//   operands are widened exactly and the result rounded once (where MLX's bf16
+//   composition rounds each step).
+// - more rows (a prompt, an encoder), f32: the composition's own steps (q times the
+//   scale, sgemm for q·kᵀ, the mask and Emily's softmax in one pass over each row, sgemm
+//   for ·v), each product the sgemm call MLX makes, on the operands in place (BLAS takes
+//   their row strides), and the output written in [B, L, heads, D] order, so that
+//   transposing it back is free.
+//
+// Grouped-query heads read their key/value head in place. (On MLX's CUDA backend:
+// cuda_attention.cc.)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +31,8 @@
 
 #if EMILY_VECTOR_KERNELS
 #include <typeinfo>
+
+#include <cblas.h>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -85,6 +95,23 @@ EMILY_VECTOR void axpy(float w, const T* b, int64_t sb, float* acc, int n) {
   for (; i < n; i++) acc[i] = std::fma(w, load1(b + i * sb), acc[i]);
 }
 
+// Applies the mask's row at `base` to `scores`: bool (kept, or f32's lowest value, as
+// the composition's), or added (f32 or bf16).
+void masked(float* scores, const array& m, int64_t base, int keys) {
+  const float lowest = -std::numeric_limits<float>::max();
+  int64_t st = m.strides()[3];
+  if (m.dtype() == mx::bool_) {
+    const bool* mp = m.data<bool>() + base;
+    for (int j = 0; j < keys; j++) scores[j] = mp[j * st] ? scores[j] : lowest;
+  } else if (m.dtype() == mx::bfloat16) {
+    const uint16_t* mp = m.data<uint16_t>() + base;
+    for (int j = 0; j < keys; j++) scores[j] = scores[j] + load1(mp + j * st);
+  } else {
+    const float* mp = m.data<float>() + base;
+    for (int j = 0; j < keys; j++) scores[j] = scores[j] + mp[j * st];
+  }
+}
+
 inline void store(float* o, float v) { *o = v; }
 inline void store(uint16_t* o, float v) { *o = to_bf16(v); }
 
@@ -129,23 +156,6 @@ class DecodeAttention : public mx::Primitive {
   }
 
  private:
-  // Applies the mask's row at `base` to `scores`: bool (kept, or f32's lowest value, as
-  // the composition's), or added (f32 or bf16).
-  static void masked(float* scores, const array& m, int64_t base, int keys) {
-    const float lowest = -std::numeric_limits<float>::max();
-    int64_t st = m.strides()[3];
-    if (m.dtype() == mx::bool_) {
-      const bool* mp = m.data<bool>() + base;
-      for (int j = 0; j < keys; j++) scores[j] = mp[j * st] ? scores[j] : lowest;
-    } else if (m.dtype() == mx::bfloat16) {
-      const uint16_t* mp = m.data<uint16_t>() + base;
-      for (int j = 0; j < keys; j++) scores[j] = scores[j] + load1(mp + j * st);
-    } else {
-      const float* mp = m.data<float>() + base;
-      for (int j = 0; j < keys; j++) scores[j] = scores[j] + mp[j * st];
-    }
-  }
-
   template <typename T>
   static void run(const array& q, const array& k, const array& v, const array* m, float scale, bool causal,
                   array& out) {
@@ -190,6 +200,117 @@ class DecodeAttention : public mx::Primitive {
   bool causal_;
 };
 
+// The [n, w] matrix at (b, h) of a [B, heads, n, w] operand as sgemm reads it, and its
+// row stride: in place where its rows are packed and do not overlap, else copied into
+// `tmp` (a broadcast or a strided last axis).
+const float* matrix(const View<float>& a, int b, int h, int n, int w, std::vector<float>& tmp, int64_t& ld) {
+  if (a.s3 == 1 && (a.s2 >= w || n == 1)) {
+    ld = n == 1 ? w : a.s2;
+    return a.row(b, h, 0);
+  }
+  tmp.resize(static_cast<size_t>(n) * w);
+  for (int i = 0; i < n; i++)
+    for (int j = 0; j < w; j++) tmp[static_cast<size_t>(i) * w + j] = a.row(b, h, i)[j * a.s3];
+  ld = w;
+  return tmp.data();
+}
+
+// f32 [B, heads, L, D] operands, more query rows than a decoding step's; the output
+// [B, heads, L, Dv] laid out [B, L, heads, Dv].
+class PrefillAttention : public mx::Primitive {
+ public:
+  PrefillAttention(mx::Stream s, float scale, bool causal) : mx::Primitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    const array &q = inputs[0], &v = inputs[2];
+    array& out = outputs[0];
+    const int64_t heads = q.shape(1), rows = q.shape(2), dv = v.shape(3);
+    mx::array::Flags flags{true, heads == 1 || rows == 1, false};
+    out.set_data(mx::allocator::malloc(out.nbytes()), out.size(), {rows * heads * dv, dv, heads * dv, 1}, flags);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    bool has_mask = inputs.size() > 3;
+    encoder.dispatch([q = array::unsafe_weak_copy(q), k = array::unsafe_weak_copy(inputs[1]),
+                      v = array::unsafe_weak_copy(v), m = has_mask ? array::unsafe_weak_copy(inputs[3]) : array(0.0f),
+                      out = array::unsafe_weak_copy(out), has_mask, scale = scale_, causal = causal_]() mutable {
+      run(q, k, v, has_mask ? &m : nullptr, scale, causal, out);
+    });
+  }
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[scaled_dot_product_attention] Emily's CPU kernel has no GPU version");
+  }
+
+  const char* name() const override { return "EmilyPrefillAttention"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (typeid(other) != typeid(*this)) return false;
+    auto& o = static_cast<const PrefillAttention&>(other);
+    return o.scale_ == scale_ && o.causal_ == causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(-1);
+    return {shape};
+  }
+
+ private:
+  static void run(const array& q, const array& k, const array& v, const array* m, float scale, bool causal,
+                  array& out) {
+    const int batch = q.shape(0), q_heads = q.shape(1), rows = q.shape(2), d = q.shape(3);
+    const int kv_heads = k.shape(1), keys = k.shape(2), dv = v.shape(3);
+    const int repeats = q_heads / kv_heads;
+    auto qv = View<float>::of(q), kv = View<float>::of(k), vv = View<float>::of(v);
+    const float lowest = -std::numeric_limits<float>::max();
+    const int64_t pairs = static_cast<int64_t>(batch) * q_heads, block = static_cast<int64_t>(rows) * keys;
+    std::vector<float> scores(pairs * block), qs(static_cast<int64_t>(rows) * d), tmp;
+    int64_t ld;
+    float* o = out.data<float>();
+
+    // q·kᵀ, q scaled first (one rounding, as the composition's multiply).
+    for (int64_t pair = 0; pair < pairs; pair++) {
+      int b = pair / q_heads, h = pair % q_heads, kh = h / repeats;
+      for (int i = 0; i < rows; i++) {
+        const float* qr = qv.row(b, h, i);
+        for (int c = 0; c < d; c++) qs[i * d + c] = scale * qr[c * qv.s3];
+      }
+      const float* kp = matrix(kv, b, kh, keys, d, tmp, ld);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, qs.data(), d, kp, ld, 0.0f,
+                  scores.data() + pair * block, keys);
+    }
+
+    // The mask and the softmax, row by row, the rows split over the pool.
+    pool::ranges(pairs * rows, (1 << 16) / std::max(keys, 1) + 1, 1, [&](size_t from, size_t to) {
+      for (size_t r = from; r < to; r++) {
+        float* row = scores.data() + r * keys;
+        int64_t pair = r / rows;
+        int b = pair / q_heads, h = pair % q_heads, i = r % rows;
+        if (causal) {
+          for (int j = std::max(0, i + (keys - rows) + 1); j < keys; j++) row[j] = lowest;
+        } else if (m) {
+          auto& st = m->strides();
+          masked(row, *m, b * st[0] + h * st[1] + i * st[2], keys);
+        }
+        softmax_rows(row, row, 1, keys);
+      }
+    });
+
+    // ·v, each (batch, head) written at its place in [B, L, heads, Dv].
+    for (int64_t pair = 0; pair < pairs; pair++) {
+      int b = pair / q_heads, h = pair % q_heads, kh = h / repeats;
+      float* orow = o + (static_cast<int64_t>(b) * rows * q_heads + h) * dv;
+      const float* vp = matrix(vv, b, kh, keys, dv, tmp, ld);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, dv, keys, 1.0f, scores.data() + pair * block, keys,
+                  vp, ld, 0.0f, orow, static_cast<int64_t>(q_heads) * dv);
+    }
+  }
+
+  float scale_;
+  bool causal_;
+};
+
 }  // namespace
 
 array attention(const array& q, const array& k, const array& v, float scale, const std::string& mask_mode,
@@ -216,41 +337,17 @@ array attention(const array& q, const array& k, const array& v, float scale, con
     return array(shape, t, std::make_shared<DecodeAttention>(s, scale, causal), inputs);
   }
   if (t != mx::float32) return ref;
-
-  // MLX's fallback (mlx/fast.cpp), step for step.
-  bool has_mask = mask.has_value() && !causal;
-  int q_heads = q.shape(1), kv_heads = k.shape(1), repeats = q_heads / kv_heads;
-  auto qs = mx::multiply(array(scale, mx::float32), q, s);
-  auto ks = k, vs = v;
-  if (repeats > 1) {
-    qs = mx::unflatten(qs, 1, {kv_heads, repeats}, s);
-    ks = mx::expand_dims(ks, 2, s);
-    vs = mx::expand_dims(vs, 2, s);
+  for (auto* a : {&q, &k, &v})
+    if (a->size() == 0) return ref;
+  std::vector<array> inputs = {q, k, v};
+  if (mask && !causal) {
+    auto shape = q.shape();
+    shape.back() = k.shape(-2);
+    inputs.push_back(mx::broadcast_to(*mask, shape, s));
   }
-  auto scores = mx::matmul(qs, mx::swapaxes(ks, -1, -2, s), s);
-  if (has_mask || causal) {
-    auto make_mask = [&] {
-      if (!causal) {
-        auto shape = q.shape();
-        shape.back() = k.shape(-2);
-        return mx::broadcast_to(*mask, shape, s);
-      }
-      int kl = ks.shape(-2), ql = qs.shape(-2), offset = kl - ql;
-      auto q_idx = mx::expand_dims(mx::arange(offset, ql + offset, s), 1, s);
-      auto k_idx = mx::expand_dims(mx::arange(0, kl, s), 0, s);
-      return mx::greater_equal(q_idx, k_idx, s);
-    };
-    auto m = make_mask();
-    if (repeats > 1 && m.ndim() >= 3) {
-      m = m.shape(-3) == 1 ? mx::expand_dims(m, -3, s) : mx::unflatten(m, -3, {kv_heads, repeats}, s);
-    }
-    scores = m.dtype() == mx::bool_
-                 ? mx::where(m, scores, array(mx::finfo(mx::float32).min, mx::float32), s)
-                 : mx::add(scores, m, s);
-  }
-  scores = kernels::softmax(scores, std::vector<int>{-1}, true, s);
-  auto out = mx::matmul(scores, vs, s);
-  return repeats > 1 ? mx::flatten(out, 1, 2, s) : out;
+  auto shape = q.shape();
+  shape.back() = v.shape(-1);
+  return array(shape, t, std::make_shared<PrefillAttention>(s, scale, causal), inputs);
 }
 
 #else
