@@ -496,6 +496,34 @@ defmodule Emily.Native.LinalgTest do
     assert_error(fn -> l(N.dense(cpu(), w, w, bias)) end, ~r/dense/)
   end
 
+  # On a CPU in f32, dense's addmm is Emily's (cpp/addmm.cc): MLX's sgemm call on an
+  # output filled with the bias row by row, so MLX's addmm's bits, for operands in rows,
+  # transposed or strided, a bias broadcast from one value, and no columns.
+  test "dense on a CPU: the bits of MLX's addmm, for any operand layout" do
+    {m, k, n} = {300, 700, 129}
+    x = t(for(i <- 1..(m * k), do: :math.sin(i * 0.7)), {:f, 32}, {m, k})
+    w = t(for(i <- 1..(k * n), do: :math.cos(i * 0.3)), {:f, 32}, {k, n})
+    bias = t(for(i <- 1..n, do: i * 0.25), {:f, 32}, {n})
+    bits = &Emily.to_binary/1
+    tr = &N.transpose(cpu(), &1, [1, 0])
+
+    layouts = [
+      {x, w, bias},
+      {tr.(t(l(tr.(x)), {:f, 32}, {k, m})), w, bias},
+      {x, tr.(t(l(tr.(w)), {:f, 32}, {n, k})), bias},
+      {N.slice(cpu(), N.concatenate(cpu(), [x, x], 1), [0, 3], [m, k + 3], [1, 1]), w, bias},
+      {x, w, N.broadcast_to(cpu(), t([1.5], {:f, 32}, {1}), {n})}
+    ]
+
+    for {{a, b, c}, i} <- Enum.with_index(layouts) do
+      assert bits.(N.dense(cpu(), a, b, c)) == bits.(N.addmm(cpu(), c, a, b, 1.0, 1.0)),
+             "layout #{i}"
+    end
+
+    empty = N.dense(cpu(), x, t([], {:f, 32}, {k, 0}), t([], {:f, 32}, {0}))
+    assert Emily.shape(empty) == {m, 0} and l(empty) == []
+  end
+
   describe "tensordot" do
     test "contracts explicit axes lists" do
       # a {2, 3}, b {3, 2}: contracting a1 with b0 is matmul

@@ -1,6 +1,7 @@
 // Products composed from MLX ops (see linalg.h).
 #include "linalg.h"
 
+#include "addmm.h"
 #include "cuda_kernels.h"
 #include "gemv.h"
 
@@ -185,8 +186,9 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
 }
 
 // Axon's dense layer on x's last axis: where MLX would multiply the rows as a matrix
-// product, one addmm, in which BLAS adds the bias while it stores the product (the
-// separate sum is another pass over the result, and another kernel on a GPU). Elsewhere
+// product, one addmm, in which BLAS adds the product to the bias it was given as output
+// (the separate sum is another pass over the result, and another kernel on a GPU); on a
+// CPU in f32, Emily's (addmm.h). Elsewhere
 // (no rows, a decoding step's rows through Emily's kernels, half types on a CPU through
 // f32) the product and the sum as the graph has them.
 array dense(const array& x, const array& w, const array& bias, const Stream& s) {
@@ -202,7 +204,7 @@ array dense(const array& x, const array& w, const array& bias, const Stream& s) 
   if (!blas_product(rows, w, s)) return unfused();
   mx::Shape shape = x.shape();
   shape.back() = n;
-  return mx::reshape(mx::addmm(bias, rows, w, 1.0f, 1.0f, s), shape, s);
+  return mx::reshape(add_bias_mm(bias, rows, w, s), shape, s);
 }
 
 }  // namespace emily
