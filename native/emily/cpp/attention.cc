@@ -115,9 +115,35 @@ void masked(float* scores, const array& m, int64_t base, int keys) {
 inline void store(float* o, float v) { *o = v; }
 inline void store(uint16_t* o, float v) { *o = to_bf16(v); }
 
-class DecodeAttention : public mx::Primitive {
+// What the two kernels share: q, k, v and the mask as inputs, [B, heads, L, Dv] out.
+class Attention : public mx::Primitive {
  public:
-  DecodeAttention(mx::Stream s, float scale, bool causal) : mx::Primitive(s), scale_(scale), causal_(causal) {}
+  Attention(mx::Stream s, float scale, bool causal) : mx::Primitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[scaled_dot_product_attention] Emily's CPU kernel has no GPU version");
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (typeid(other) != typeid(*this)) return false;
+    auto& o = static_cast<const Attention&>(other);
+    return o.scale_ == scale_ && o.causal_ == causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(-1);
+    return {shape};
+  }
+
+ protected:
+  float scale_;
+  bool causal_;
+};
+
+class DecodeAttention : public Attention {
+ public:
+  using Attention::Attention;
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     const array &q = inputs[0], &k = inputs[1], &v = inputs[2];
@@ -137,23 +163,7 @@ class DecodeAttention : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("[scaled_dot_product_attention] Emily's CPU kernel has no GPU version");
-  }
-
   const char* name() const override { return "EmilyDecodeAttention"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    if (typeid(other) != typeid(*this)) return false;
-    auto& o = static_cast<const DecodeAttention&>(other);
-    return o.scale_ == scale_ && o.causal_ == causal_;
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[2].shape(-1);
-    return {shape};
-  }
 
  private:
   template <typename T>
@@ -195,9 +205,6 @@ class DecodeAttention : public mx::Primitive {
       }
     });
   }
-
-  float scale_;
-  bool causal_;
 };
 
 // The [n, w] matrix at (b, h) of a [B, heads, n, w] operand as sgemm reads it, and its
@@ -217,9 +224,9 @@ const float* matrix(const View<float>& a, int b, int h, int n, int w, std::vecto
 
 // f32 [B, heads, L, D] operands, more query rows than a decoding step's; the output
 // [B, heads, L, Dv] laid out [B, L, heads, Dv].
-class PrefillAttention : public mx::Primitive {
+class PrefillAttention : public Attention {
  public:
-  PrefillAttention(mx::Stream s, float scale, bool causal) : mx::Primitive(s), scale_(scale), causal_(causal) {}
+  using Attention::Attention;
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     const array &q = inputs[0], &v = inputs[2];
@@ -238,23 +245,7 @@ class PrefillAttention : public mx::Primitive {
     });
   }
 
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("[scaled_dot_product_attention] Emily's CPU kernel has no GPU version");
-  }
-
   const char* name() const override { return "EmilyPrefillAttention"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    if (typeid(other) != typeid(*this)) return false;
-    auto& o = static_cast<const PrefillAttention&>(other);
-    return o.scale_ == scale_ && o.causal_ == causal_;
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = inputs[2].shape(-1);
-    return {shape};
-  }
 
  private:
   static void run(const array& q, const array& k, const array& v, const array* m, float scale, bool causal,
@@ -306,9 +297,6 @@ class PrefillAttention : public mx::Primitive {
                   vp, ld, 0.0f, orow, static_cast<int64_t>(q_heads) * dv);
     }
   }
-
-  float scale_;
-  bool causal_;
 };
 
 }  // namespace
@@ -325,20 +313,8 @@ array attention(const array& q, const array& k, const array& v, float scale, con
   bool mask_typed = !mask || mask->dtype() == mx::bool_ || mask->dtype() == mx::float32 || mask->dtype() == t;
   if (s.device != mx::Device::cpu || !vector_cpu() || !typed || !mask_typed || sinks) return ref;
   bool causal = mask_mode == "causal";
-  if (q.shape(2) <= kDecodeRows) {
-    std::vector<array> inputs = {q, k, v};
-    if (mask && !causal) {
-      auto shape = q.shape();
-      shape.back() = k.shape(-2);
-      inputs.push_back(mx::broadcast_to(*mask, shape, s));
-    }
-    auto shape = q.shape();
-    shape.back() = v.shape(-1);
-    return array(shape, t, std::make_shared<DecodeAttention>(s, scale, causal), inputs);
-  }
-  if (t != mx::float32) return ref;
-  for (auto* a : {&q, &k, &v})
-    if (a->size() == 0) return ref;
+  bool decode = q.shape(2) <= kDecodeRows;
+  if (!decode && (t != mx::float32 || q.size() == 0 || k.size() == 0 || v.size() == 0)) return ref;
   std::vector<array> inputs = {q, k, v};
   if (mask && !causal) {
     auto shape = q.shape();
@@ -347,7 +323,13 @@ array attention(const array& q, const array& k, const array& v, float scale, con
   }
   auto shape = q.shape();
   shape.back() = v.shape(-1);
-  return array(shape, t, std::make_shared<PrefillAttention>(s, scale, causal), inputs);
+  std::shared_ptr<mx::Primitive> kernel;
+  if (decode) {
+    kernel = std::make_shared<DecodeAttention>(s, scale, causal);
+  } else {
+    kernel = std::make_shared<PrefillAttention>(s, scale, causal);
+  }
+  return array(shape, t, std::move(kernel), inputs);
 }
 
 #else
