@@ -176,8 +176,8 @@ array normalized(const array& x, const std::optional<array>& weight, const std::
   std::vector<array> inputs{mx::contiguous(x, false, s)};
   if (weight) inputs.push_back(mx::contiguous(*weight, false, s));
   if (bias) inputs.push_back(mx::contiguous(*bias, false, s));
-  return array(x.shape(), mx::float32, std::make_shared<Normalize>(s, center, eps, weight.has_value(), bias.has_value()),
-               std::move(inputs));
+  auto kernel = std::make_shared<Normalize>(s, center, eps, weight.has_value(), bias.has_value());
+  return array(x.shape(), mx::float32, std::move(kernel), std::move(inputs));
 }
 
 }  // namespace
