@@ -95,22 +95,41 @@ EMILY_VECTOR void axpy(float w, const T* b, int64_t sb, float* acc, int n) {
   for (; i < n; i++) acc[i] = std::fma(w, load1(b + i * sb), acc[i]);
 }
 
-// Applies the mask's row at `base` to `scores`: bool (kept, or f32's lowest value, as
-// the composition's), or added (f32 or bf16).
-void masked(float* scores, const array& m, int64_t base, int keys) {
+// Masks row i of (batch b, head h)'s scores over `keys` keys for `rows` query rows:
+// causal (keys after the row's position, aligned to the end of the keys as MLX's causal
+// mask, set to f32's lowest value; with more queries than keys the first see none, and
+// get the mean of the values, as MLX's do), or the mask `m`: bool (kept, or f32's lowest
+// value, as the composition's), or added (f32 or bf16). Neither: the row as it is.
+void mask_row(float* scores, bool causal, const array* m, int b, int h, int i, int rows, int keys) {
   const float lowest = -std::numeric_limits<float>::max();
-  int64_t st = m.strides()[3];
-  if (m.dtype() == mx::bool_) {
-    const bool* mp = m.data<bool>() + base;
-    for (int j = 0; j < keys; j++) scores[j] = mp[j * st] ? scores[j] : lowest;
-  } else if (m.dtype() == mx::bfloat16) {
-    const uint16_t* mp = m.data<uint16_t>() + base;
-    for (int j = 0; j < keys; j++) scores[j] = scores[j] + load1(mp + j * st);
+  if (causal) {
+    for (int j = std::max(0, i + (keys - rows) + 1); j < keys; j++) scores[j] = lowest;
+    return;
+  }
+  if (!m) return;
+  auto& st = m->strides();
+  int64_t base = b * st[0] + h * st[1] + i * st[2], sk = st[3];
+  if (m->dtype() == mx::bool_) {
+    const bool* mp = m->data<bool>() + base;
+    for (int j = 0; j < keys; j++) scores[j] = mp[j * sk] ? scores[j] : lowest;
+  } else if (m->dtype() == mx::bfloat16) {
+    const uint16_t* mp = m->data<uint16_t>() + base;
+    for (int j = 0; j < keys; j++) scores[j] = scores[j] + load1(mp + j * sk);
   } else {
-    const float* mp = m.data<float>() + base;
-    for (int j = 0; j < keys; j++) scores[j] = scores[j] + mp[j * st];
+    const float* mp = m->data<float>() + base;
+    for (int j = 0; j < keys; j++) scores[j] = scores[j] + mp[j * sk];
   }
 }
+
+// The operands' sizes: q [batch, q_heads, rows, d], k [batch, kv_heads, keys, d], v
+// [batch, kv_heads, keys, dv]; each key/value head serves `repeats` query heads.
+struct Sizes {
+  int batch, q_heads, rows, d, kv_heads, keys, dv, repeats;
+
+  Sizes(const array& q, const array& k, const array& v)
+      : batch(q.shape(0)), q_heads(q.shape(1)), rows(q.shape(2)), d(q.shape(3)), kv_heads(k.shape(1)),
+        keys(k.shape(2)), dv(v.shape(3)), repeats(q_heads / kv_heads) {}
+};
 
 inline void store(float* o, float v) { *o = v; }
 inline void store(uint16_t* o, float v) { *o = to_bf16(v); }
@@ -169,11 +188,8 @@ class DecodeAttention : public Attention {
   template <typename T>
   static void run(const array& q, const array& k, const array& v, const array* m, float scale, bool causal,
                   array& out) {
-    const int batch = q.shape(0), q_heads = q.shape(1), rows = q.shape(2), d = q.shape(3);
-    const int kv_heads = k.shape(1), keys = k.shape(2), dv = v.shape(3);
-    const int repeats = q_heads / kv_heads;
+    const auto [batch, q_heads, rows, d, kv_heads, keys, dv, repeats] = Sizes(q, k, v);
     auto qv = View<T>::of(q), kv = View<T>::of(k), vv = View<T>::of(v);
-    const float lowest = -std::numeric_limits<float>::max();
     T* o = out.data<T>();
     int pairs = batch * q_heads;
     // One part per (batch, head), or one in all where the cache is small.
@@ -188,14 +204,7 @@ class DecodeAttention : public Attention {
           const T* qr = qv.row(b, h, i);
           for (int c = 0; c < d; c++) qs[c] = scale * load1(qr + c * qv.s3);
           for (int j = 0; j < keys; j++) scores[j] = dot(qs.data(), kv.row(b, kh, j), kv.s3, d);
-          if (causal) {
-            // Aligned to the end of the keys, as MLX's causal mask (with more queries than
-            // keys, the first see none, and get the mean of the values, as MLX's do).
-            for (int j = std::max(0, i + (keys - rows) + 1); j < keys; j++) scores[j] = lowest;
-          } else if (m) {
-            auto& st = m->strides();
-            masked(scores.data(), *m, b * st[0] + h * st[1] + i * st[2], keys);
-          }
+          mask_row(scores.data(), causal, m, b, h, i, rows, keys);
           softmax_rows(scores.data(), scores.data(), 1, keys);
           std::fill(acc.begin(), acc.end(), 0.0f);
           for (int j = 0; j < keys; j++) axpy(scores[j], vv.row(b, kh, j), vv.s3, acc.data(), dv);
@@ -250,11 +259,8 @@ class PrefillAttention : public Attention {
  private:
   static void run(const array& q, const array& k, const array& v, const array* m, float scale, bool causal,
                   array& out) {
-    const int batch = q.shape(0), q_heads = q.shape(1), rows = q.shape(2), d = q.shape(3);
-    const int kv_heads = k.shape(1), keys = k.shape(2), dv = v.shape(3);
-    const int repeats = q_heads / kv_heads;
+    const auto [batch, q_heads, rows, d, kv_heads, keys, dv, repeats] = Sizes(q, k, v);
     auto qv = View<float>::of(q), kv = View<float>::of(k), vv = View<float>::of(v);
-    const float lowest = -std::numeric_limits<float>::max();
     const int64_t pairs = static_cast<int64_t>(batch) * q_heads, block = static_cast<int64_t>(rows) * keys;
     std::vector<float> scores(pairs * block), qs(static_cast<int64_t>(rows) * d), tmp;
     int64_t ld;
@@ -273,17 +279,12 @@ class PrefillAttention : public Attention {
     }
 
     // The mask and the softmax, row by row, the rows split over the pool.
-    pool::ranges(pairs * rows, (1 << 16) / std::max(keys, 1) + 1, 1, [&](size_t from, size_t to) {
+    pool::ranges(pairs * rows, keys, 1, [&](size_t from, size_t to) {
       for (size_t r = from; r < to; r++) {
         float* row = scores.data() + r * keys;
         int64_t pair = r / rows;
         int b = pair / q_heads, h = pair % q_heads, i = r % rows;
-        if (causal) {
-          for (int j = std::max(0, i + (keys - rows) + 1); j < keys; j++) row[j] = lowest;
-        } else if (m) {
-          auto& st = m->strides();
-          masked(row, *m, b * st[0] + h * st[1] + i * st[2], keys);
-        }
+        mask_row(row, causal, m, b, h, i, rows, keys);
         softmax_rows(row, row, 1, keys);
       }
     });

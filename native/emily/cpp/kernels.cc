@@ -71,10 +71,6 @@ namespace {
 
 using namespace vec;
 
-// Elements from which a kernel's pass is split over the pool's threads (pool.h): some
-// tens of microseconds of work, past the cost of waking them.
-constexpr size_t kSplit = 1 << 16;
-
 bool applies(const array& a, const Stream& s) {
   return s.device == mx::Device::cpu && a.dtype() == mx::float32 && vector_cpu();
 }
@@ -115,7 +111,7 @@ class Elementwise : public mx::UnaryPrimitive {
     encoder.dispatch([in = array::unsafe_weak_copy(in), out = array::unsafe_weak_copy(out), c = c_]() mutable {
       const float* x = in.data<float>();
       float* y = out.data<float>();
-      pool::ranges(in.data_size(), kSplit, 8, [&](size_t a, size_t b) { map<F>(x + a, y + a, b - a, c); });
+      pool::ranges(in.data_size(), 1, 8, [&](size_t a, size_t b) { map<F>(x + a, y + a, b - a, c); });
     });
   }
 
@@ -169,7 +165,7 @@ class Softmax : public mx::UnaryPrimitive {
       if (m == 0) return;
       const float* x = in.data<float>();
       float* y = out.data<float>();
-      pool::ranges(in.size() / m, (kSplit + m - 1) / m, 1,
+      pool::ranges(in.size() / m, m, 1,
                    [&](size_t a, size_t b) { softmax_rows(x + a * m, y + a * m, b - a, m); });
     });
   }
@@ -221,7 +217,7 @@ class Silu : public mx::Primitive {
       const float* xp = x.data<float>();
       const float* bp = by ? by->data<float>() : nullptr;
       float* y = out.data<float>();
-      pool::ranges(x.size(), kSplit, 8,
+      pool::ranges(x.size(), 1, 8,
                    [&](size_t a, size_t b) { silu_map(xp + a, bp ? bp + a : nullptr, y + a, b - a); });
     });
   }

@@ -28,9 +28,6 @@ namespace {
 
 using namespace vec;
 
-// Elements from which the rows are split over the pool's threads (as in kernels.cc).
-constexpr size_t kSplit = 1 << 16;
-
 // The composition, for rows of m floats: mean(x) = sum(x) * (1 / m) (layer norm only),
 // xc = x - mean, var = mean(xc * xc), y = xc * (1 / sqrt(var + eps)), then * weight and
 // + bias. RMS norm is the same with no mean (xc = x).
@@ -132,7 +129,7 @@ class Normalize : public mx::Primitive {
              static_cast<float>(1.0 / static_cast<double>(m)),
              eps,
              center};
-      pool::ranges(rows, (kSplit + m - 1) / m, 8, [&](size_t a, size_t b) {
+      pool::ranges(rows, m, 8, [&](size_t a, size_t b) {
         for (; a + 8 <= b; a += 8) normalize<8>(p, a);
         for (; a < b; a++) normalize<1>(p, a);
       });

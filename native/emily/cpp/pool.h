@@ -15,13 +15,13 @@ int parts();
 // part on one of them, and returns when all are done. `part` must not call MLX.
 void run(int n, const std::function<void(int)>& part);
 
-// Calls `range(begin, end)` over [0, n) split into one contiguous range per thread, each
-// but the last a multiple of `align` long (a kernel's vector width, so every element is
-// computed in the lanes or the tail it would be in one pass), when n is at least `min`;
-// below that, `range(0, n)` on the calling thread. Waking the helpers costs microseconds:
-// `min` is the size whose work outweighs that.
-inline void ranges(size_t n, size_t min, size_t align, const std::function<void(size_t, size_t)>& range) {
-  int k = n < min ? 1 : parts();
+// Calls `range(begin, end)` over [0, n) items of `width` elements each, split into one
+// contiguous range per thread, each but the last a multiple of `align` items long (a
+// kernel's vector width, so every element is computed in the lanes or the tail it would
+// be in one pass), when the items hold at least 64K elements: some tens of microseconds
+// of work, past the cost of waking the helpers. Below that, `range(0, n)` on the caller.
+inline void ranges(size_t n, size_t width, size_t align, const std::function<void(size_t, size_t)>& range) {
+  int k = n * width < (size_t{1} << 16) ? 1 : parts();
   size_t step = (n / k + align - 1) / align * align;
   if (k == 1 || step == 0) return range(0, n);
   run(k, [&](int i) {
