@@ -4,16 +4,16 @@
 // (beta 1), and fills it through its general strided copy, element by element with an
 // index computed for each: for a bias broadcast over the rows, a pass slower than the
 // product's own packing (a BERT-base layer at batch 8 fills 7M floats so). This is the
-// same sgemm call on a buffer filled row by row with memcpy: MLX's results, to the bit.
+// same sgemm product on a buffer filled row by row with memcpy (its operands in place
+// wherever BLAS can read them so, blas.h): MLX's results, to the bit.
 #include "addmm.h"
 
 #if defined(__linux__)
-#include <cblas.h>
-
 #include <cstring>
 #include <typeinfo>
 #include <vector>
 
+#include "blas.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -24,31 +24,6 @@ namespace mx = mlx::core;
 
 #if defined(__linux__)
 namespace {
-
-// An operand's rows as MLX's matmul hands them to sgemm (mlx/backend/cpu/matmul.cpp):
-// row-major with its row stride, or column-major (transposed), or else copied dense.
-struct Operand {
-  const float* p;
-  CBLAS_TRANSPOSE trans;
-  int ld;
-  std::vector<float> copy;
-
-  Operand(const array& a) {
-    const int rows = a.shape(0), cols = a.shape(1);
-    const auto sr = a.strides(0), sc = a.strides(1);
-    p = a.data<float>();
-    if (sr == cols && sc == 1) {
-      trans = CblasNoTrans, ld = static_cast<int>(sr);
-    } else if (sr == 1 && sc == rows) {
-      trans = CblasTrans, ld = static_cast<int>(sc);
-    } else {
-      copy.resize(static_cast<size_t>(rows) * cols);
-      for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) copy[static_cast<size_t>(i) * cols + j] = p[i * sr + j * sc];
-      p = copy.data(), trans = CblasNoTrans, ld = cols;
-    }
-  }
-};
 
 class AddBiasMM : public mx::Primitive {
  public:
@@ -64,12 +39,13 @@ class AddBiasMM : public mx::Primitive {
                       bias = array::unsafe_weak_copy(inputs[2]), out = array::unsafe_weak_copy(out)]() mutable {
       const int m = x.shape(0), k = x.shape(1), n = w.shape(1);
       float* y = out.data<float>();
-      const float* b = bias.data<float>();
+      const float* c = bias.data<float>();
       if (m == 0 || n == 0) return;
-      for (int i = 0; i < m; i++) std::memcpy(y + static_cast<size_t>(i) * n, b, sizeof(float) * n);
+      for (int i = 0; i < m; i++) std::memcpy(y + static_cast<size_t>(i) * n, c, sizeof(float) * n);
       if (k == 0) return;
-      Operand a(x), c(w);
-      cblas_sgemm(CblasRowMajor, a.trans, c.trans, m, n, k, 1.0f, a.p, a.ld, c.p, c.ld, 1.0f, y, n);
+      blas::Matrix a(x.data<float>(), m, k, x.strides(0), x.strides(1));
+      blas::Matrix b(w.data<float>(), k, n, w.strides(0), w.strides(1));
+      cblas_sgemm(CblasRowMajor, a.trans, b.trans, m, n, k, 1.0f, a.p, a.ld, b.p, b.ld, 1.0f, y, n);
     });
   }
 

@@ -32,8 +32,7 @@
 #if EMILY_VECTOR_KERNELS
 #include <typeinfo>
 
-#include <cblas.h>
-
+#include "blas.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
@@ -216,21 +215,6 @@ class DecodeAttention : public Attention {
   }
 };
 
-// The [n, w] matrix at (b, h) of a [B, heads, n, w] operand as sgemm reads it, and its
-// row stride: in place where its rows are packed and do not overlap, else copied into
-// `tmp` (a broadcast or a strided last axis).
-const float* matrix(const View<float>& a, int b, int h, int n, int w, std::vector<float>& tmp, int64_t& ld) {
-  if (a.s3 == 1 && (a.s2 >= w || n == 1)) {
-    ld = n == 1 ? w : a.s2;
-    return a.row(b, h, 0);
-  }
-  tmp.resize(static_cast<size_t>(n) * w);
-  for (int i = 0; i < n; i++)
-    for (int j = 0; j < w; j++) tmp[static_cast<size_t>(i) * w + j] = a.row(b, h, i)[j * a.s3];
-  ld = w;
-  return tmp.data();
-}
-
 // f32 [B, heads, L, D] operands, more query rows than a decoding step's; the output
 // [B, heads, L, Dv] laid out [B, L, heads, Dv].
 class PrefillAttention : public Attention {
@@ -262,8 +246,7 @@ class PrefillAttention : public Attention {
     const auto [batch, q_heads, rows, d, kv_heads, keys, dv, repeats] = Sizes(q, k, v);
     auto qv = View<float>::of(q), kv = View<float>::of(k), vv = View<float>::of(v);
     const int64_t pairs = static_cast<int64_t>(batch) * q_heads, block = static_cast<int64_t>(rows) * keys;
-    std::vector<float> scores(pairs * block), qs(static_cast<int64_t>(rows) * d), tmp;
-    int64_t ld;
+    std::vector<float> scores(pairs * block), qs(static_cast<int64_t>(rows) * d);
     float* o = out.data<float>();
 
     // q·kᵀ, q scaled first (one rounding, as the composition's multiply).
@@ -273,8 +256,9 @@ class PrefillAttention : public Attention {
         const float* qr = qv.row(b, h, i);
         for (int c = 0; c < d; c++) qs[i * d + c] = scale * qr[c * qv.s3];
       }
-      const float* kp = matrix(kv, b, kh, keys, d, tmp, ld);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, d, 1.0f, qs.data(), d, kp, ld, 0.0f,
+      blas::Matrix km(kv.row(b, kh, 0), keys, d, kv.s2, kv.s3);
+      auto kt = km.trans == CblasNoTrans ? CblasTrans : CblasNoTrans;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, kt, rows, keys, d, 1.0f, qs.data(), d, km.p, km.ld, 0.0f,
                   scores.data() + pair * block, keys);
     }
 
@@ -293,9 +277,9 @@ class PrefillAttention : public Attention {
     for (int64_t pair = 0; pair < pairs; pair++) {
       int b = pair / q_heads, h = pair % q_heads, kh = h / repeats;
       float* orow = o + (static_cast<int64_t>(b) * rows * q_heads + h) * dv;
-      const float* vp = matrix(vv, b, kh, keys, dv, tmp, ld);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, dv, keys, 1.0f, scores.data() + pair * block, keys,
-                  vp, ld, 0.0f, orow, static_cast<int64_t>(q_heads) * dv);
+      blas::Matrix vm(vv.row(b, kh, 0), keys, dv, vv.s2, vv.s3);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, vm.trans, rows, dv, keys, 1.0f, scores.data() + pair * block, keys,
+                  vm.p, vm.ld, 0.0f, orow, static_cast<int64_t>(q_heads) * dv);
     }
   }
 };
