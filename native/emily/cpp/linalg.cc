@@ -188,9 +188,9 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
 // Axon's dense layer on x's last axis: where MLX would multiply the rows as a matrix
 // product, one addmm, in which BLAS adds the product to the bias it was given as output
 // (the separate sum is another pass over the result, and another kernel on a GPU); on a
-// CPU in f32, Emily's (addmm.h). Elsewhere
-// (no rows, a decoding step's rows through Emily's kernels, half types on a CPU through
-// f32) the product and the sum as the graph has them.
+// CPU in f32, Emily's (addmm.h). Elsewhere (no rows, a decoding step's rows through
+// Emily's kernels, half types on a CPU through f32) the product and the sum as the graph
+// has them.
 array dense(const array& x, const array& w, const array& bias, const Stream& s) {
   if (x.ndim() < 1 || w.ndim() != 2 || bias.ndim() != 1 || x.shape(-1) != w.shape(0) || bias.shape(0) != w.shape(1) ||
       x.dtype() != w.dtype() || bias.dtype() != w.dtype() || !mx::issubdtype(w.dtype(), mx::floating)) {
