@@ -452,6 +452,111 @@ defmodule Emily.Native.LinalgTest do
     end
   end
 
+  # `dots2`/`dots3`: one input times several weights, each product as `dot` computes it
+  # (on a CPU a decoding step's row is one node through Emily's kernel; elsewhere the
+  # `dot`s themselves), so every output has the bits of its `dot`.
+  describe "dots (the products of one input)" do
+    defp bits(list), do: Enum.map(list, &Emily.to_binary/1)
+
+    defp each_dot(stream, x, axis, ws),
+      do: Enum.map(ws, &N.dot(stream, x, [axis], [], &1, [0], []))
+
+    defp weights(k, ns, type) do
+      for {n, j} <- Enum.with_index(ns) do
+        t(for(i <- 1..(k * n), do: :math.cos(i * 0.011 + j)), type, {k, n})
+      end
+    end
+
+    test "a row, f32 and bf16: split and unsplit weights, both layouts, a batch of one token" do
+      k = 301
+
+      for type <- [{:f, 32}, {:bf, 16}] do
+        x = t(for(i <- 1..k, do: :math.sin(i * 0.3)), type, {1, k})
+        [w0, w1, w2] = weights(k, [517, 23, 64], type)
+        # The (N, K) layout, viewed as (K, N): read by columns.
+        wt = N.transpose(cpu(), t(l(N.transpose(cpu(), w1, [1, 0])), type, {23, k}), [1, 0])
+
+        for ws <- [[w0, w1], [w0, w1, w2], [w2, wt, w0]] do
+          op = if length(ws) == 2, do: &N.dots2/5, else: &N.dots3/6
+          out = apply(op, [cpu(), x, 1 | ws])
+          assert bits(out) == bits(each_dot(cpu(), x, 1, ws)), inspect({type, length(ws)})
+          assert Enum.map(out, &Emily.shape/1) == Enum.map(ws, &{1, elem(Emily.shape(&1), 1)})
+        end
+
+        x3 = N.reshape(cpu(), x, {1, 1, k})
+        out = N.dots3(cpu(), x3, -1, w0, w1, w2)
+        assert Enum.map(out, &Emily.shape/1) == [{1, 1, 517}, {1, 1, 23}, {1, 1, 64}]
+        assert bits(out) == bits(each_dot(cpu(), x3, 2, [w0, w1, w2]))
+      end
+    end
+
+    test "strided and broadcast weights, a strided row" do
+      k = 37
+      [w0, w1] = weights(k, [46, 23], {:f, 32})
+      # Every other column of w0, and a broadcast column: read element by element.
+      every_other = N.slice(cpu(), w0, [0, 0], [k, 46], [1, 2])
+      col = N.broadcast_to(cpu(), N.slice(cpu(), w1, [0, 0], [k, 1], [1, 1]), {k, 5})
+      wide = t(Enum.flat_map(1..k, &[:math.sin(&1), -5.0]), {:f, 32}, {1, 2 * k})
+      x = N.slice(cpu(), wide, [0, 0], [1, 2 * k], [1, 2])
+      ws = [every_other, w1, col]
+      assert bits(N.dots3(cpu(), x, 1, every_other, w1, col)) == bits(each_dot(cpu(), x, 1, ws))
+    end
+
+    test "several rows, another axis, mixed types: the dots themselves" do
+      k = 37
+      [w0, w1] = weights(k, [29, 23], {:f, 32})
+      rows4 = t(for(i <- 1..(4 * k), do: :math.sin(i * 0.3)), {:f, 32}, {4, k})
+      assert bits(N.dots2(cpu(), rows4, 1, w0, w1)) == bits(each_dot(cpu(), rows4, 1, [w0, w1]))
+
+      # x (K, 2) contracted on its first axis.
+      cols = N.transpose(cpu(), N.slice(cpu(), rows4, [0, 0], [2, k], [1, 1]), [1, 0])
+      assert bits(N.dots2(cpu(), cols, 0, w0, w1)) == bits(each_dot(cpu(), cols, 0, [w0, w1]))
+
+      x = N.slice(cpu(), rows4, [0, 0], [1, k], [1, 1])
+      half = N.astype(cpu(), w1, {:bf, 16})
+      out = N.dots2(cpu(), x, 1, w0, half)
+      assert bits(out) == bits(each_dot(cpu(), x, 1, [w0, half]))
+      assert Enum.map(out, &Emily.dtype/1) == [{:f, 32}, {:f, 32}]
+    end
+
+    test "mismatched operands raise as dot does, and the stream goes on" do
+      [w0, w1] = weights(37, [29, 23], {:f, 32})
+      x = t(for(i <- 1..36, do: i * 1.0), {:f, 32}, {1, 36})
+      assert_error(fn -> bits(N.dots2(cpu(), x, 1, w0, w1)) end, ~r/\[dot\] contraction axis/)
+      assert_error(fn -> bits(N.dots2(cpu(), x, 2, w0, w1)) end, ~r/\[dot\] invalid contraction/)
+      assert_error(fn -> bits(N.dots2(cpu(), t([1.0]), 0, w0, w1)) end, ~r/\[dot\]/)
+    end
+
+    # On a GPU up to eight rows times (K, N) weights are one kernel (cpp/cuda_gemv.cc),
+    # three weights at most; each product as its `dot` computes it, to the bit.
+    @tag :gpu
+    test "a few rows on a GPU, f32, bf16 and f16" do
+      gpu = Emily.Stream.default(:gpu)
+      k = 301
+
+      for type <- [{:f, 32}, {:bf, 16}, {:f, 16}], m <- [1, 3, 8, 9] do
+        x =
+          Emily.from_list(for(i <- 1..(m * k), do: :math.sin(i * 0.3)), type,
+            shape: {m, k},
+            stream: gpu
+          )
+
+        ws =
+          for {n, j} <- Enum.with_index([515, 64, 1]) do
+            Emily.from_list(for(i <- 1..(k * n), do: :math.cos(i * 0.011 + j)), type,
+              shape: {k, n},
+              stream: gpu
+            )
+          end
+
+        [w0, w1, w2] = ws
+        out = N.dots3(gpu, x, 1, w0, w1, w2)
+        assert bits(out) == bits(each_dot(gpu, x, 1, ws)), inspect({type, m})
+        assert bits(N.dots2(gpu, x, 1, w2, w0)) == bits(each_dot(gpu, x, 1, [w2, w0]))
+      end
+    end
+  end
+
   # A CPU stream multiplies bf16 and f16 matrices through f32 (MLX's own half matmul has
   # no BLAS): the f32 sums of the half values, rounded once.
   test "bf16 and f16 products of several rows" do

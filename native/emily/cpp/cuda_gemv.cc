@@ -12,6 +12,10 @@
 #include <mlx/backend/cuda/cuda.h>
 #include <mlx/fast.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 namespace emily {
 namespace mx = mlx::core;
 
@@ -20,13 +24,16 @@ namespace {
 // Each block computes TILE = 32 * C columns of every row of x: its WARPS warps split K
 // (warp w reads weight rows w, w + WARPS, ...), each lane C adjacent columns, so a warp
 // reads 32 * C contiguous elements of a row. The warps' f32 partial sums meet in shared
-// memory; one rounding to T at the end.
-constexpr const char* kSource = R"(
+// memory; one rounding to T at the end. Several weights of one x are one kernel: block b
+// computes tile b of the first weight's tiles, then of the second's, and so on (the
+// kernel's `TILES<i>`: the tiles before weight i + 1), each column as alone.
+constexpr const char* kHeader = R"(
+template <typename T, int M, int C, int WARPS>
+__device__ void emily_gemv_tile(const T* x, const T* wt, T* out, int K, int N, int tile,
+                                float (*red)[32 * C]) {
   constexpr int TILE = 32 * C;
-  __shared__ float red[WARPS][TILE];
-  const int K = wt_shape[0], N = wt_shape[1];
   const int lane = threadIdx.x, w = threadIdx.y;
-  const int col0 = blockIdx.x * TILE + lane * C;
+  const int col0 = tile * TILE + lane * C;
   float acc[M][C];
 #pragma unroll
   for (int m = 0; m < M; ++m)
@@ -61,19 +68,46 @@ constexpr const char* kSource = R"(
       float s = 0.f;
 #pragma unroll
       for (int q = 0; q < WARPS; ++q) s += red[q][j];
-      const int n = blockIdx.x * TILE + j;
+      const int n = tile * TILE + j;
       if (n < N) out[(size_t)m * N + n] = (T)s;
     }
     __syncthreads();
   }
+}
 )";
 
 constexpr int kColumns = 1;  // C: a warp reads 32 contiguous elements of a row
 constexpr int kMaxRows = 8;
+constexpr int kMaxWeights = 3;
 
-const mx::fast::CustomKernelFunction& kernel() {
-  static const auto k = mx::fast::cuda_kernel("emily_gemv_kn", {"x", "wt"}, {"out"}, kSource);
-  return k;
+// The kernel of `n` weights (inputs x, w0, w1, ...; outputs out0, out1, ...).
+std::string source(int n) {
+  std::string src = "  __shared__ float red[WARPS][32 * C];\n  const int b = blockIdx.x;\n";
+  for (int i = 0; i < n; i++) {
+    auto w = std::to_string(i);
+    std::string before = i == 0 ? "0" : "TILES" + std::to_string(i - 1);
+    src += "  " + std::string(i ? "else " : "") + (i == n - 1 ? "" : "if (b < TILES" + w + ") ") +
+           "emily_gemv_tile<T, M, C, WARPS>(x, w" + w + ", out" + w + ", w" + w + "_shape[0], w" + w + "_shape[1], b - " +
+           before + ", red);\n";
+  }
+  return src;
+}
+
+const mx::fast::CustomKernelFunction& kernel(int n) {
+  static const auto kernels = [] {
+    std::vector<mx::fast::CustomKernelFunction> ks;
+    for (int n = 1; n <= kMaxWeights; n++) {
+      std::vector<std::string> inputs{"x"}, outputs;
+      for (int i = 0; i < n; i++) {
+        inputs.push_back("w" + std::to_string(i));
+        outputs.push_back("out" + std::to_string(i));
+      }
+      auto name = n == 1 ? std::string("emily_gemv_kn") : "emily_gemv_kn" + std::to_string(n);
+      ks.push_back(mx::fast::cuda_kernel(name, inputs, outputs, source(n), kHeader));
+    }
+    return ks;
+  }();
+  return kernels[n - 1];
 }
 
 bool supported(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
@@ -92,13 +126,30 @@ bool cuda_gemv_applies(const array& x, const array& b, const Stream& s) {
   return b.status() != array::Status::unscheduled && b.flags().row_contiguous;
 }
 
-array cuda_gemv(const array& x, const array& b, const Stream& s) {
-  int m = x.shape(0), n = b.shape(1);
-  int warps = 32;
-  int tiles = (n + 32 * kColumns - 1) / (32 * kColumns);
-  auto out = kernel()({x, b}, {{m, n}}, {x.dtype()}, {tiles * 32, warps, 1}, {32, warps, 1},
-                      {{"T", x.dtype()}, {"M", m}, {"C", kColumns}, {"WARPS", warps}}, std::nullopt, false, s);
-  return out[0];
+array cuda_gemv(const array& x, const array& b, const Stream& s) { return cuda_gemvs(x, {b}, s)[0]; }
+
+std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, const Stream& s) {
+  std::vector<array> out;
+  for (size_t first = 0; first < bs.size(); first += kMaxWeights) {
+    int n = static_cast<int>(std::min<size_t>(kMaxWeights, bs.size() - first));
+    int m = x.shape(0), warps = 32, tiles = 0;
+    std::vector<array> inputs{x};
+    std::vector<mx::Shape> shapes;
+    std::vector<mx::Dtype> types;
+    std::vector<std::pair<std::string, mx::fast::TemplateArg>> args{
+        {"T", x.dtype()}, {"M", m}, {"C", kColumns}, {"WARPS", warps}};
+    for (int i = 0; i < n; i++) {
+      const array& b = bs[first + i];
+      tiles += (b.shape(1) + 32 * kColumns - 1) / (32 * kColumns);
+      if (i < n - 1) args.push_back({"TILES" + std::to_string(i), tiles});
+      inputs.push_back(b);
+      shapes.push_back({m, b.shape(1)});
+      types.push_back(x.dtype());
+    }
+    auto part = kernel(n)(inputs, shapes, types, {tiles * 32, warps, 1}, {32, warps, 1}, args, std::nullopt, false, s);
+    out.insert(out.end(), part.begin(), part.end());
+  }
+  return out;
 }
 
 }  // namespace emily

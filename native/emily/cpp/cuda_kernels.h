@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "emily.h"
 
@@ -16,6 +17,9 @@ namespace emily {
 bool cuda_gemv_applies(const array& x, const array& b, const Stream& s);
 // Summed in f32 and rounded once.
 array cuda_gemv(const array& x, const array& b, const Stream& s);
+// x times each of `bs`, where `cuda_gemv_applies` to each: one kernel node for up to three
+// weights (a layer's query, key and value projections), each product as `cuda_gemv`'s.
+std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, const Stream& s);
 
 // `mx::fast::scaled_dot_product_attention` of up to 8 query rows with an array mask
 // (bool or additive), no sinks, head sizes up to 256 and up to 4096 keys, all of one

@@ -104,51 +104,67 @@ EMILY_VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, i
   }
 }
 
-// Splits the n outputs over the pool in chunks of at least 64K weights: for a matrix read
-// by rows, of at least 512 columns (each row's share long enough to stream), and for one
-// read by columns, whole columns; both whole cache lines of y. A small matrix is one chunk.
-void split(int k, int n, bool by_rows, const std::function<void(int, int)>& part) {
-  int64_t columns = std::max<int64_t>(by_rows ? 512 : 64, ((65536 / std::max(k, 1)) + 63) / 64 * 64);
-  int chunks = emily::pool::parts() == 1 ? 1 : static_cast<int>((n + columns - 1) / columns);
-  emily::pool::run(chunks, [&](int c) {
-    int64_t from = c * columns, to = chunks == 1 ? n : std::min<int64_t>(n, from + columns);
-    part(static_cast<int>(from), static_cast<int>(to));
-  });
+// One pass's chunk: columns [from, to) of the product with weight `w`.
+struct Chunk {
+  int w, from, to;
+};
+
+// Splits each weight's n outputs into chunks of at least 64K weights (for a matrix read
+// by rows, of at least 512 columns, each row's share long enough to stream; for one read
+// by columns, whole columns; both whole cache lines of y), all of them spread over the
+// pool in one run. A small matrix is one chunk; with no helpers, each weight is one.
+std::vector<Chunk> chunks(const std::vector<std::pair<int, int>>& kn, const std::vector<bool>& by_rows) {
+  std::vector<Chunk> out;
+  for (int w = 0; w < static_cast<int>(kn.size()); w++) {
+    auto [k, n] = kn[w];
+    int64_t columns = std::max<int64_t>(by_rows[w] ? 512 : 64, ((65536 / std::max(k, 1)) + 63) / 64 * 64);
+    if (emily::pool::parts() == 1) columns = n;
+    for (int64_t from = 0; from < n; from += columns)
+      out.push_back({w, static_cast<int>(from), static_cast<int>(std::min<int64_t>(n, from + columns))});
+  }
+  return out;
 }
 #endif
 
-// x (1, K) times b (K, N), f32 or (where the kernel runs) bf16.
-class RowGemv : public mx::UnaryPrimitive {
+// x (1, K) times each weight b_i (K, N_i), f32 or (where the kernel runs) bf16: one
+// output each, the weights' columns computed in one pass over the pool.
+class RowGemv : public mx::Primitive {
  public:
-  explicit RowGemv(mx::Stream s) : mx::UnaryPrimitive(s) {}
+  explicit RowGemv(mx::Stream s) : mx::Primitive(s) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override {
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     const array& x = inputs[0];
-    const array& b = inputs[1];
-    const int k = b.shape(0), n = b.shape(1);
-    const auto sk = b.strides(0), sn = b.strides(1);
-    // b's element (i, j) at i * sk + j * sn: row-major with leading dimension sk (b
-    // itself), or column-major with leading dimension sn (the transpose of a row-major
-    // (N, K) weight, as Transformers-layout checkpoints give it); anything else (a
-    // broadcast, a strided slice) is read element by element.
-    const Layout layout{k, n, sk, sn, sn == 1 && sk >= n, sk == 1 && sn >= k};
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
-    encoder.set_input_array(b);
-    encoder.set_output_array(out);
+    std::vector<Product> products;
+    for (size_t i = 1; i < inputs.size(); i++) {
+      const array& b = inputs[i];
+      array& out = outputs[i - 1];
+      const int k = b.shape(0), n = b.shape(1);
+      const auto sk = b.strides(0), sn = b.strides(1);
+      // b's element (i, j) at i * sk + j * sn: row-major with leading dimension sk (b
+      // itself), or column-major with leading dimension sn (the transpose of a row-major
+      // (N, K) weight, as Transformers-layout checkpoints give it); anything else (a
+      // broadcast, a strided slice) is read element by element.
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_input_array(b);
+      encoder.set_output_array(out);
+      products.push_back({b.data<void>(), out.data<void>(), {k, n, sk, sn, sn == 1 && sk >= n, sk == 1 && sn >= k}});
+    }
 #if EMILY_GEMV_KERNEL
     if (x.dtype() == mx::bfloat16) {
-      encoder.dispatch([xp = x.data<uint16_t>(), incx = x.strides(1), bp = b.data<uint16_t>(),
-                        yp = out.data<uint16_t>(), layout]() { bf16(xp, incx, bp, yp, layout); });
+      encoder.dispatch([xp = x.data<uint16_t>(), incx = x.strides(1), products = std::move(products)]() {
+        bf16(xp, incx, products);
+      });
       return;
     }
 #endif
-    encoder.dispatch([xp = x.data<float>(), incx = x.strides(1), bp = b.data<float>(), yp = out.data<float>(),
-                      layout]() { f32(xp, incx, bp, yp, layout); });
+    encoder.dispatch([xp = x.data<float>(), incx = x.strides(1), products = std::move(products)]() {
+      f32(xp, incx, products);
+    });
   }
 
-  void eval_gpu(const std::vector<array>&, array&) override {
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
     throw std::runtime_error("[dot] the CPU gemv product has no GPU kernel");
   }
 
@@ -157,7 +173,9 @@ class RowGemv : public mx::UnaryPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override { return typeid(other) == typeid(*this); }
 
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
-    return {{1, inputs[1].shape(1)}};
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 1; i < inputs.size(); i++) shapes.push_back({1, inputs[i].shape(1)});
+    return shapes;
   }
 
  private:
@@ -167,8 +185,14 @@ class RowGemv : public mx::UnaryPrimitive {
     bool rows, cols;
   };
 
-  static void f32(const float* xp, int64_t incx, const float* bp, float* yp, const Layout& l) {
-    const int k = l.k, n = l.n;
+  struct Product {
+    const void* b;
+    void* y;
+    Layout layout;
+  };
+
+  static void f32(const float* xp, int64_t incx, const std::vector<Product>& products) {
+    const int k = products[0].layout.k;
     std::vector<float> xs;
     if (incx != 1) {
       // (A broadcast row has stride 0, which BLAS does not take.)
@@ -176,13 +200,26 @@ class RowGemv : public mx::UnaryPrimitive {
       for (int i = 0; i < k; i++) xs[i] = xp[i * incx];
       xp = xs.data();
     }
+    auto b = [&](int w) { return static_cast<const float*>(products[w].b); };
+    auto y = [&](int w) { return static_cast<float*>(products[w].y); };
 #if EMILY_GEMV_KERNEL
-    if ((l.rows || l.cols) && kernels::vector_cpu()) {
-      auto part = l.rows ? rows_part<float> : cols_part<float>;
-      split(k, n, l.rows, [&](int j0, int j1) { part(xp, bp, l.rows ? l.sk : l.sn, yp, k, j0, j1); });
+    if (kernels::vector_cpu()) {
+      std::vector<int> kernel, blas;
+      for (int w = 0; w < static_cast<int>(products.size()); w++)
+        (products[w].layout.rows || products[w].layout.cols ? kernel : blas).push_back(w);
+      each_chunk(products, kernel, [&](int w, int j0, int j1) {
+        const Layout& l = products[w].layout;
+        (l.rows ? rows_part<float> : cols_part<float>)(xp, b(w), l.rows ? l.sk : l.sn, y(w), k, j0, j1);
+      });
+      for (int w : blas) sgemv(xp, b(w), y(w), products[w].layout);
       return;
     }
 #endif
+    for (int w = 0; w < static_cast<int>(products.size()); w++) sgemv(xp, b(w), y(w), products[w].layout);
+  }
+
+  static void sgemv(const float* xp, const float* bp, float* yp, const Layout& l) {
+    const int k = l.k, n = l.n;
     if (l.rows) {
       cblas_sgemv(CblasRowMajor, CblasTrans, k, n, 1.0f, bp, l.sk, xp, 1, 0.0f, yp, 1);
     } else if (l.cols) {
@@ -196,26 +233,54 @@ class RowGemv : public mx::UnaryPrimitive {
   }
 
 #if EMILY_GEMV_KERNEL
+  // Calls `part(w, j0, j1)` over every chunk of the products `which`, in one pool run.
+  static void each_chunk(const std::vector<Product>& products, const std::vector<int>& which,
+                         const std::function<void(int, int, int)>& part) {
+    if (which.empty()) return;
+    std::vector<std::pair<int, int>> kn;
+    std::vector<bool> by_rows;
+    for (int w : which) {
+      kn.push_back({products[w].layout.k, products[w].layout.n});
+      by_rows.push_back(products[w].layout.rows);
+    }
+    auto list = chunks(kn, by_rows);
+    emily::pool::run(static_cast<int>(list.size()), [&](int c) { part(which[list[c].w], list[c].from, list[c].to); });
+  }
+
   // bf16 operands (MLX's CPU bf16 matmul, which has no BLAS, runs on one thread at a few
   // GFLOP/s): x widened to f32, the sums in f32 and rounded to bf16 at the end, as MLX's
   // own bf16 products round.
-  static void bf16(const uint16_t* xp, int64_t incx, const uint16_t* bp, uint16_t* yp, const Layout& l) {
-    const int k = l.k, n = l.n;
-    std::vector<float> xs(k), ys(n);
+  static void bf16(const uint16_t* xp, int64_t incx, const std::vector<Product>& products) {
+    const int k = products[0].layout.k;
+    std::vector<float> xs(k);
     for (int i = 0; i < k; i++) xs[i] = load1(xp + i * incx);
-    if (l.rows || l.cols) {
-      auto part = l.rows ? rows_part<uint16_t> : cols_part<uint16_t>;
-      split(k, n, l.rows, [&](int j0, int j1) { part(xs.data(), bp, l.rows ? l.sk : l.sn, ys.data(), k, j0, j1); });
-    } else {
-      for (int j = 0; j < n; j++) {
+    std::vector<std::vector<float>> ys;
+    std::vector<int> kernel;
+    for (int w = 0; w < static_cast<int>(products.size()); w++) {
+      const Layout& l = products[w].layout;
+      ys.emplace_back(l.n);
+      if (l.rows || l.cols) {
+        kernel.push_back(w);
+        continue;
+      }
+      auto bp = static_cast<const uint16_t*>(products[w].b);
+      for (int j = 0; j < l.n; j++) {
         float sum = 0.0f;
         for (int i = 0; i < k; i++) sum = std::fma(xs[i], load1(bp + i * l.sk + j * l.sn), sum);
-        ys[j] = sum;
+        ys[w][j] = sum;
       }
     }
-    for (int j = 0; j < n; j++) yp[j] = to_bf16(ys[j]);
+    each_chunk(products, kernel, [&](int w, int j0, int j1) {
+      const Layout& l = products[w].layout;
+      auto bp = static_cast<const uint16_t*>(products[w].b);
+      (l.rows ? rows_part<uint16_t> : cols_part<uint16_t>)(xs.data(), bp, l.rows ? l.sk : l.sn, ys[w].data(), k, j0,
+                                                           j1);
+    });
+    for (size_t w = 0; w < products.size(); w++) {
+      auto yp = static_cast<uint16_t*>(products[w].y);
+      for (int j = 0; j < products[w].layout.n; j++) yp[j] = to_bf16(ys[w][j]);
+    }
   }
-
 #endif
 };
 
@@ -233,12 +298,27 @@ bool row_gemv_applies(const array& x, const array& b, const Stream& s) {
   return s.device == mx::Device::cpu && shapes && (f32 || bf16);
 }
 
-array row_gemv(const array& x, const array& b, const Stream& s) {
-  return array({1, b.shape(1)}, x.dtype(), std::make_shared<RowGemv>(s), {x, b});
+array row_gemv(const array& x, const array& b, const Stream& s) { return row_gemvs(x, {b}, s)[0]; }
+
+std::vector<array> row_gemvs(const array& x, const std::vector<array>& bs, const Stream& s) {
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> types;
+  std::vector<array> inputs{x};
+  for (const auto& b : bs) {
+    shapes.push_back({1, b.shape(1)});
+    types.push_back(x.dtype());
+    inputs.push_back(b);
+  }
+  return array::make_arrays(std::move(shapes), types, std::make_shared<RowGemv>(s), inputs);
 }
 #else
 bool row_gemv_applies(const array&, const array&, const Stream&) { return false; }
 array row_gemv(const array& x, const array& b, const Stream& s) { return mx::matmul(x, b, s); }
+std::vector<array> row_gemvs(const array& x, const std::vector<array>& bs, const Stream& s) {
+  std::vector<array> out;
+  for (const auto& b : bs) out.push_back(mx::matmul(x, b, s));
+  return out;
+}
 #endif
 
 }  // namespace emily

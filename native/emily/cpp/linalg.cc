@@ -185,6 +185,41 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
   return mx::reshape(out, shape, s);
 }
 
+// The products of one x by several weights, each as dot_general computes it. Where a
+// decoding step's rows go through Emily's kernels, all of them are one node (the host
+// builds and a GPU launches one kernel instead of one per weight, and a CPU wakes its
+// helpers once); elsewhere they are the products dot_general makes.
+std::vector<array> dots(const array& x, int axis, const std::vector<array>& ws, const Stream& s) {
+  auto each = [&] {
+    std::vector<array> out;
+    for (const auto& w : ws) out.push_back(dot_general(x, {axis}, {}, w, {0}, {}, s));
+    return out;
+  };
+  int last = static_cast<int>(x.ndim()) - 1;
+  if (x.ndim() < 1 || (axis != last && axis != -1) || x.shape(-1) == 0) return each();
+  for (const auto& w : ws)
+    if (w.ndim() != 2 || w.shape(0) != x.shape(-1) || w.dtype() != x.dtype()) return each();
+  int k = x.shape(-1);
+  auto x2 = mx::reshape(x, {static_cast<int>(x.size() / k), k}, s);
+  auto all = [&](auto applies) {
+    return std::all_of(ws.begin(), ws.end(), [&](const array& w) { return applies(x2, w, s); });
+  };
+  std::vector<array> out;
+  if (all(row_gemv_applies)) {
+    out = row_gemvs(x2, ws, s);
+  } else if (all(cuda_gemv_applies)) {
+    out = cuda_gemvs(x2, ws, s);
+  } else {
+    return each();
+  }
+  for (auto& o : out) {
+    mx::Shape shape(x.shape().begin(), x.shape().end() - 1);
+    shape.push_back(o.shape(1));
+    o = mx::reshape(o, shape, s);
+  }
+  return out;
+}
+
 // Axon's dense layer on x's last axis: where MLX would multiply the rows as a matrix
 // product, one addmm, in which BLAS adds the product to the bias it was given as output
 // (the separate sum is another pass over the result, and another kernel on a GPU); on a

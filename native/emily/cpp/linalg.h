@@ -15,6 +15,12 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
                   const array& b, const std::vector<int>& contract_b, const std::vector<int>& batch_b,
                   const Stream& s);
 
+// x · w over x's axis `axis` and w's first for each w of `ws`, as dot_general computes
+// each: a decoding step's rows times several weights (a layer's query, key and value
+// projections, a gated unit's gate and up) as one node where Emily's kernels compute
+// them over x's last axis (gemv.h, cuda_kernels.h).
+std::vector<array> dots(const array& x, int axis, const std::vector<array>& ws, const Stream& s);
+
 // x · w + bias over x's last axis (Axon's dense layer): x (..., K), w (K, N), bias (N),
 // one floating type. The same function as dot_general's product plus the bias, with the
 // bias added inside the product where that is a matrix product (within the sum's rounding).
