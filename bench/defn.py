@@ -45,6 +45,9 @@ ELEMENTWISE = {
     "logical_or", "where", "bitwise_and", "bitwise_or", "bitwise_xor",
 }
 
+# Instructions of several outputs (one slot each, in order).
+OUTPUTS = {"dots2": 2, "dots3": 3}
+
 
 def value(v):
     return {"nan": 'float("nan")', "infinity": 'float("inf")',
@@ -97,6 +100,9 @@ def statement(t, op, args, shape, dtype):
         return f"t{t} = mx.{op}({', '.join(f't{a}' for a in args)})"
     if op == "dot":
         return dot_general(t, *args, shape)
+    if op in ("dots2", "dots3"):
+        x, axis, *ws = args
+        return "; ".join(dot_general(t + i, x, [axis], [], w, [0], [], shape) for i, w in enumerate(ws))
     if op == "full":
         s, v, d = args
         return f"t{t} = mx.full({tuple(s)}, {value(v)}, dtype={DTYPES[d]})"
@@ -139,11 +145,13 @@ def build(graph, inputs):
     n = len(inputs)
     env = {"mx": mx, **{f"t{i}": x for i, x in enumerate(inputs)}}
     lines = []
-    for t, (op, args) in enumerate(graph["instrs"], start=n):
+    t = n
+    for op, args in graph["instrs"]:
         line = statement(t, op, args, lambda slot: env[f"t{slot}"].shape,
                          lambda slot: env[f"t{slot}"].dtype)
         exec(line, env)  # lazily: only to learn the shapes later instructions need
         lines.append("    " + line)
+        t += OUTPUTS.get(op, 1)
     outs = ", ".join(f"t{o}" for o in graph["outputs"])
     params = ", ".join(f"t{i}" for i in range(n))
     source = f"def graph({params}):\n" + "\n".join(lines) + f"\n    return ({outs},)\n"

@@ -149,6 +149,19 @@ if Code.ensure_loaded?(Nx) do
     unfused result. A decoding step's rows (Emily's row kernels) and half types on a CPU
     keep the product and the sum.
 
+    A slice of a product that keeps all of the second operand's free axes (Bumblebee's
+    `logits[[.., -1]]` of an LM head applied to every position of the prompt) becomes
+    the product of the slice: only the rows kept are computed, each the same dot
+    product.
+
+    Products of one input by several weights (`Nx.dot(x, [-1], w, [0])` of the same `x`,
+    each `w` an input of the function: a layer's query, key and value projections, a
+    gated unit's gate and up) run as one instruction for two or three of them. A
+    decoding step's rows go through Emily's row kernels in one pass (one GPU kernel
+    launch, one wake of the CPU's helpers, where each product took its own); other rows
+    run the products the `dot`s would. Each product's values are the same bits as
+    alone.
+
     Keys and values repeated over grouped heads and then written into a cache
     (Bumblebee's `put_slice` of `repeat_interleave(x, g, axis: 2)` into a cache of all
     the query heads, as its grouped-query models cache them) are written from the
@@ -516,8 +529,9 @@ if Code.ensure_loaded?(Nx) do
     found by lowering its graph without running it, with the compiler options `opts`
     (see "Fusion"): one map per rewrite, in the order the lowering made them, each with
     `:rewrite` (`:rms_norm`, `:layer_norm`, `:rope`, `:scaled_dot_product_attention`,
-    `:gelu`, `:silu`, `:dense`, `:sliced_dot` or `:repeated_update`),
-    the result's `:shape` and `:type`, and the kernel's parameters (`:eps`, `:weight`,
+    `:gelu`, `:silu`, `:dense`, `:sliced_dot`, `:repeated_update` or `:dots`),
+    the result's `:shape` and `:type` (`:dots`: `:shapes`, one per product, and
+    `:products`, their number), and the kernel's parameters (`:eps`, `:weight`,
     `:bias`; `:dims`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`;
     `:gated`; `:groups`). Empty
     with `fuse: false`, and where the graph runs on the evaluator path.

@@ -261,6 +261,23 @@ if Code.ensure_loaded?(Nx) do
     defn(dense_row_bias(x, w, b), do: Nx.add(Nx.dot(x, [1], [], w, [0], []), Nx.new_axis(b, 1)))
     defn(dense_first_axis(x, w, b), do: Nx.dot(x, [0], [], w, [0], []) |> Nx.add(b))
 
+    # A layer's projections: products of one input by parameters (Bumblebee's query, key
+    # and value; a gated unit's gate and up), and near misses: a computed weight, a
+    # weight contracted on its second axis, another input.
+    defnp(project(x, w), do: Nx.dot(x, [Nx.rank(x) - 1], [], w, [0], []))
+    defn(projections(x, wq, wk, wv), do: {project(x, wq), project(x, wk), project(x, wv)})
+
+    defn(four_five(x, a, b, c, d, e),
+      do:
+        {{project(x, a), project(x, b), project(x, c), project(x, d)},
+         {project(x + 1, a), project(x + 1, b), project(x + 1, c), project(x + 1, d),
+          project(x + 1, e)}}
+    )
+
+    defn(projection_misses(x, y, a, b),
+      do: {project(x, a * 2), project(x, b), Nx.dot(x, [1], [], b, [1], []), project(y, a)}
+    )
+
     # Bumblebee's generation step: the LM head over every position, then the last row.
     defn(last_logits(h, w), do: Nx.dot(h, [2], w, [1])[[.., -1]])
     defn(first_vocab(h, w), do: Nx.dot(h, [2], w, [1])[[.., .., 0..3]])
@@ -473,6 +490,60 @@ if Code.ensure_loaded?(Nx) do
 
       # A bias of another type (the sum promotes).
       assert Emily.Compiler.fusions(&axon_dense/3, [x, w, rand({5}, :bf16, 59)]) == []
+    end
+
+    ## Products of one input
+
+    for type <- [:f32, :bf16, :f16] do
+      test "a layer's projections in #{type}: one instruction, each product to the bit" do
+        type = Nx.Type.normalize!(unquote(type))
+
+        [wq, wk, wv] =
+          for {n, i} <- Enum.with_index([40, 24, 24]), do: rand({48, n}, type, 60 + i)
+
+        # A decoding step's row (one node through Emily's kernel), and a prompt's rows
+        # (the products as they were).
+        for x <- [rand({1, 1, 48}, type, 63), rand({2, 9, 48}, type, 64)] do
+          args = [x, wq, wk, wv]
+          lead = Tuple.delete_at(x.shape, 2)
+
+          assert [%{rewrite: :dots, products: 3, type: ^type, shapes: shapes}] =
+                   Emily.Compiler.fusions(&projections/4, args)
+
+          assert shapes == for(n <- [40, 24, 24], do: Tuple.insert_at(lead, tuple_size(lead), n))
+
+          fused = run(&projections/4, args) |> Tuple.to_list() |> Enum.map(&Nx.to_binary/1)
+
+          plain =
+            run(&projections/4, args, fuse: false) |> Tuple.to_list() |> Enum.map(&Nx.to_binary/1)
+
+          assert fused == plain
+        end
+      end
+    end
+
+    test "four products of one input as two and two, five as three and two" do
+      x = rand({1, 16}, :f32, 65)
+      ws = for i <- 1..5, do: rand({16, 8 + i}, :f32, 65 + i)
+      groups = Emily.Compiler.fusions(&four_five/6, [x | ws]) |> Enum.map(& &1.products)
+      assert Enum.sort(groups) == [2, 2, 2, 3]
+
+      flat = fn r ->
+        r |> Tuple.to_list() |> Enum.flat_map(&Tuple.to_list/1) |> Enum.map(&Nx.to_binary/1)
+      end
+
+      assert flat.(run(&four_five/6, [x | ws])) == flat.(run(&four_five/6, [x | ws], fuse: false))
+    end
+
+    test "products of a computed weight, of another axis or another input stay apart" do
+      args = [
+        rand({1, 16}, :f32, 71),
+        rand({1, 16}, :f32, 72),
+        rand({16, 16}, :f32, 73),
+        rand({16, 16}, :f32, 74)
+      ]
+
+      assert Emily.Compiler.fusions(&projection_misses/4, args) == []
     end
 
     ## An update of repeated heads

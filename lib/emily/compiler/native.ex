@@ -23,7 +23,7 @@ if Code.ensure_loaded?(Nx) do
     alias Nx.Defn.{Composite, Expr, Tree}
     alias Nx.Tensor, as: T
     alias Emily.Backend.Storage
-    alias Emily.Compiler.Native.{Fusion, Ops, Plan}
+    alias Emily.Compiler.Native.{Fusion, Ops, Plan, Siblings}
 
     @doc false
     # Lowers `fun.(vars)`. Returns `{plan, output, checks, read}`: the plan (Native.Plan)
@@ -210,6 +210,7 @@ if Code.ensure_loaded?(Nx) do
         hooks: opts[:hooks] || %{},
         fuse: Fusion.enabled?(opts),
         fused: [],
+        dots: %{},
         nested: 0,
         instr_at: %{},
         const: MapSet.new(),
@@ -227,7 +228,6 @@ if Code.ensure_loaded?(Nx) do
         Composite.traverse(result, outputs, fn _, [t | rest] -> {Nx.to_template(t), rest} end)
 
       checks = Enum.reverse(st.checks)
-      Fusion.report(Enum.reverse(st.fused))
 
       lowered = %{
         instrs: Enum.reverse(st.instrs),
@@ -236,10 +236,13 @@ if Code.ensure_loaded?(Nx) do
         extras: Enum.map(extras, & &1.data.ref),
         template: template,
         checks: Enum.map(checks, fn {_slot, op, t} -> {op, t} end),
-        device: device
+        device: device,
+        dots: st.dots
       }
 
-      lowered |> fold_constants(st) |> prune()
+      {lowered, grouped} = lowered |> fold_constants(st) |> prune() |> Siblings.group(st.fuse)
+      Fusion.report(Enum.reverse(st.fused) ++ grouped)
+      Map.delete(lowered, :dots)
     end
 
     # The program without the instructions that no output reads, directly or through
@@ -277,7 +280,8 @@ if Code.ensure_loaded?(Nx) do
       %{
         lowered
         | instrs: Enum.map(kept, fn {instr, _} -> Emily.Program.map_slots(instr, renumber) end),
-          outputs: Enum.map(lowered.outputs, renumber)
+          outputs: Enum.map(lowered.outputs, renumber),
+          dots: for({s, v} <- lowered.dots, new = index[s], into: %{}, do: {new, v})
       }
     end
 

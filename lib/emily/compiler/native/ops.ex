@@ -240,6 +240,8 @@ if Code.ensure_loaded?(Nx) do
       {l, st} = operand(l, type, st)
       {r, st} = operand(r, type, st)
       {slot, st} = emit(st, :dot, [l, cl, bl, r, cr, br])
+      # (Each product's result, for Native.Siblings' report.)
+      st = %{st | dots: Map.put(st.dots, slot, {t.shape, t.type})}
       {slot, checked(st, :dot, slot, t)}
     end
 
