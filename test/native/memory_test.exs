@@ -30,6 +30,38 @@ defmodule Emily.MemoryTest do
     end)
   end
 
+  test "evaluating strided tensors copies them one at a time" do
+    # A model's weights loaded as transposes of their checkpoint's layout are views until
+    # evaluated; evaluated, each must be row-contiguous. Eight 4 MiB views (each of its
+    # own buffer, which nothing else holds): copied one at a time, each view let go
+    # before the next copy, the evaluation needs one matrix more than the eight, where
+    # copying them all at once needed eight more.
+    with_cpu(fn ->
+      st = s()
+
+      views =
+        Task.async(fn ->
+          for i <- 1..8 do
+            m = N.reshape(st, N.arange(st, 0.0, 1024.0 * 1024, 1.0, {:f, 32}), [1024, 1024])
+            N.transpose(st, N.add(st, m, t([i * 1.0])), [1, 0])
+          end
+        end)
+        |> Task.await()
+
+      :erlang.garbage_collect()
+      Emily.Memory.clear_cache()
+      before = Emily.Memory.stats().active
+      Emily.Memory.reset_peak()
+      Emily.evaluate(views)
+      stats = Emily.Memory.stats()
+
+      assert stats.active - before >= 32 * @mib - 64 * 1024
+      assert stats.peak - before <= 36 * @mib + 1 * @mib
+      [first | _] = views
+      assert N.slice(st, first, [0, 0], [2, 2], [1, 1]) |> l() == [1.0, 1025.0, 2.0, 1026.0]
+    end)
+  end
+
   test "reset_peak/0 resets the peak; it tracks new highs" do
     x = N.full(s(), {2 * @mib}, 1.0, {:f, 32})
     Emily.eval(x)

@@ -46,8 +46,8 @@ std::unique_ptr<array> clone_array(const array& a);
 bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s);
 // Evaluates `a` into a row-contiguous array whose data() can be exported without a copy.
 std::unique_ptr<array> export_array(const array& a, const Stream& s);
-// The same for several arrays, in one graph evaluation.
-std::unique_ptr<ArrayVec> export_arrays(const ArrayVec& v, const Stream& s);
+// Evaluates the arrays of `v` in one graph evaluation, leaving each as it comes out.
+void eval_arrays(const ArrayVec& v);
 const uint8_t* array_data(const array& a);
 size_t array_nbytes(const array& a);
 rust::Vec<int32_t> array_shape(const array& a);

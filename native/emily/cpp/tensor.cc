@@ -55,12 +55,7 @@ std::unique_ptr<array> export_array(const array& a, const Stream& s) {
   return std::make_unique<array>(std::move(out[0]));
 }
 
-std::unique_ptr<ArrayVec> export_arrays(const ArrayVec& v, const Stream& s) {
-  auto out = std::make_unique<ArrayVec>();
-  out->items = v.items;
-  evaluate_row_contiguous(out->items, s);
-  return out;
-}
+void eval_arrays(const ArrayVec& v) { mx::eval(v.items); }
 
 const uint8_t* array_data(const array& a) { return a.data<uint8_t>(); }
 size_t array_nbytes(const array& a) { return a.nbytes(); }

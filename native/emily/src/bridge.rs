@@ -44,7 +44,7 @@ pub mod ffi {
         fn from_bytes(data: &[u8], shape: &[i32], dtype_val: u8, dtype_size: u8) -> Result<UniquePtr<Array>>;
         fn clone_array(a: &Array) -> UniquePtr<Array>;
         fn export_array(a: &Array, s: &Stream) -> Result<UniquePtr<Array>>;
-        fn export_arrays(v: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
+        fn eval_arrays(v: &ArrayVec) -> Result<()>;
         fn array_data(a: &Array) -> *const u8;
         fn array_nbytes(a: &Array) -> usize;
         fn array_shape(a: &Array) -> Vec<i32>;

@@ -254,22 +254,27 @@ fn by_worker(tensors: Vec<TensorArg>) -> Vec<(Arc<Worker>, Vec<TensorArg>)> {
     groups
 }
 
-/// Evaluates `tensors` (all of this worker) in one graph evaluation.
+/// Evaluates `tensors` (all of this worker) in one graph evaluation, then records each
+/// one's evaluated array in turn: one that came out strided (a loaded weight's
+/// transpose, say) is copied row-contiguous as it is recorded, and the view it replaces
+/// let go before the next copy, so a model's transposed weights never exist twice at
+/// once (and each copy can take the memory the one before freed).
 fn eval_group(st: &mut State, tensors: &[TensorArg]) -> Result<(), Error> {
     let pending: Vec<&TensorArg> = tensors.iter().filter(|t| t.evaluated().is_none()).collect();
     if pending.is_empty() {
         return Ok(());
     }
-    let arrays = pending.iter().map(|t| st.arrays.get(t.id, "eval")).collect::<Result<Vec<_>, _>>()?;
-    let v = crate::bridge::array_vec(arrays.into_iter());
-    let mut out = ffi::export_arrays(&v, &st.stream).map_err(|e| Error::Mlx {
-        op: "eval".into(),
-        message: e.what().into(),
-        inputs: format!("{} tensors", pending.len()),
-    })?;
-    for (i, t) in pending.into_iter().enumerate() {
-        let a = ffi::array_vec_take(out.pin_mut(), i).expect("one array per tensor");
-        record_evaluated(st, t, a);
+    {
+        let arrays = pending.iter().map(|t| st.arrays.get(t.id, "eval")).collect::<Result<Vec<_>, _>>()?;
+        let v = crate::bridge::array_vec(arrays.into_iter());
+        ffi::eval_arrays(&v).map_err(|e| Error::Mlx {
+            op: "eval".into(),
+            message: e.what().into(),
+            inputs: format!("{} tensors", pending.len()),
+        })?;
+    }
+    for t in pending {
+        evaluate(st, t, "eval")?;
     }
     Ok(())
 }
