@@ -32,6 +32,11 @@ array layer_norm(const array& x, const std::optional<array>& weight, const std::
                  const Stream& s);
 array rms_norm(const array& x, const std::optional<array>& weight, float eps, const Stream& s);
 
+// mx::contiguous(a, false, s) for an evaluated array: on a CPU, the transpose of a
+// row-major matrix (a 2-D view with strides (1, rows)) copied in tiles over the pool
+// (transpose.cc). Any other array, and other devices, MLX's copy.
+array contiguous(const array& a, const Stream& s);
+
 // mx::softmax.
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s);
 

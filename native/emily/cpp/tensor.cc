@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "emily.h"
+#include "kernels.h"
 
 namespace emily {
 namespace mx = mlx::core;
@@ -41,7 +42,7 @@ bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
   bool strided = false;
   for (auto& a : arrays) {
     if (!a.flags().row_contiguous) {
-      a = mx::contiguous(a, false, s);
+      a = kernels::contiguous(a, s);
       strided = true;
     }
   }
