@@ -20,28 +20,34 @@ defmodule Emily.Native.ShapeTest do
   test "a transposed matrix reads back as its transpose, for every element size" do
     # Read back, a transpose is copied row-contiguous (on a CPU by Emily's tiled copy,
     # split over the pool above 64K elements): tiles' edges, a split's, and the layouts
-    # the copy leaves to MLX (3-D, a transpose of a transpose, a slice of one).
-    for type <- [{:u, 8}, {:bf, 16}, {:s, 32}, {:f, 32}, {:f, 64}, {:c, 64}],
-        {r, c} <- [{1, 7}, {3, 5}, {67, 131}, {600, 700}] do
-      m =
-        N.reshape(
-          s(),
-          N.astype(s(), N.arange(s(), 0.0, r * c * 1.0, 1.0, {:f, 32}), type),
-          {r, c}
-        )
+    # the copy leaves to MLX (3-D, a transpose of a transpose, a slice of one). On the
+    # CPU stream, which has every type here (a GPU has no f64).
+    with_cpu(fn ->
+      for type <- [{:u, 8}, {:bf, 16}, {:s, 32}, {:f, 32}, {:f, 64}, {:c, 64}],
+          {r, c} <- [{1, 7}, {3, 5}, {67, 131}, {600, 700}] do
+        m =
+          N.reshape(
+            s(),
+            N.astype(s(), N.arange(s(), 0.0, r * c * 1.0, 1.0, {:f, 32}), type),
+            {r, c}
+          )
 
-      rows = m |> l() |> Enum.chunk_every(c)
-      expected = rows |> Enum.zip_with(& &1) |> List.flatten()
-      y = N.transpose(s(), m, [1, 0])
-      Emily.eval(y)
-      assert l(y) == expected, "#{inspect(type)} #{r}x#{c}"
-      assert l(N.transpose(s(), y, [1, 0])) == List.flatten(rows)
-    end
+        rows = m |> l() |> Enum.chunk_every(c)
+        expected = rows |> Enum.zip_with(& &1) |> List.flatten()
+        y = N.transpose(s(), m, [1, 0])
+        Emily.eval(y)
+        assert l(y) == expected, "#{inspect(type)} #{r}x#{c}"
+        assert l(N.transpose(s(), y, [1, 0])) == List.flatten(rows)
+      end
 
-    x = N.reshape(s(), N.arange(s(), 0.0, 24.0, 1.0, {:f, 32}), {2, 3, 4})
-    assert l(N.transpose(s(), x, [2, 1, 0])) |> Enum.take(4) == [0.0, 12.0, 4.0, 16.0]
-    y = N.transpose(s(), N.reshape(s(), N.arange(s(), 0.0, 12.0, 1.0, {:f, 32}), {3, 4}), [1, 0])
-    assert l(N.slice(s(), y, [1, 0], [3, 3], [1, 1])) == [1.0, 5.0, 9.0, 2.0, 6.0, 10.0]
+      x = N.reshape(s(), N.arange(s(), 0.0, 24.0, 1.0, {:f, 32}), {2, 3, 4})
+      assert l(N.transpose(s(), x, [2, 1, 0])) |> Enum.take(4) == [0.0, 12.0, 4.0, 16.0]
+
+      y =
+        N.transpose(s(), N.reshape(s(), N.arange(s(), 0.0, 12.0, 1.0, {:f, 32}), {3, 4}), [1, 0])
+
+      assert l(N.slice(s(), y, [1, 0], [3, 3], [1, 1])) == [1.0, 5.0, 9.0, 2.0, 6.0, 10.0]
+    end)
   end
 
   test "broadcast_to" do
