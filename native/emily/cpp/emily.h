@@ -41,8 +41,8 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
                                   uint8_t dtype_val, uint8_t dtype_size);
 std::unique_ptr<array> clone_array(const array& a);
 // Evaluates `arrays` and replaces each one that is not row-contiguous by an evaluated
-// row-contiguous copy (true if there was one): what leaves a thread (exports,
-// program_eval's outputs) is read as plain bytes.
+// row-contiguous copy, one at a time (true if there was one): what leaves a thread
+// (exports, program_eval's outputs) is read as plain bytes.
 bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s);
 // Evaluates `a` into a row-contiguous array whose data() can be exported without a copy.
 std::unique_ptr<array> export_array(const array& a, const Stream& s);

@@ -40,13 +40,15 @@ std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<arr
 bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
   mx::eval(arrays);
   bool strided = false;
+  // Each copy evaluated before the next is made: the view it replaces (which MLX lets go
+  // once the copy is computed) frees its memory first where nothing else holds it.
   for (auto& a : arrays) {
     if (!a.flags().row_contiguous) {
       a = kernels::contiguous(a, s);
+      mx::eval(a);
       strided = true;
     }
   }
-  if (strided) mx::eval(arrays);
   return strided;
 }
 
