@@ -38,6 +38,11 @@
 # read (Emily.Compiler's `overlap`), and one read; a pass's period, and the host's time
 # from its program call to the read (building and queueing it).
 #
+# Graph building a call: the host's time turning a call into MLX's lazy nodes, mean over
+# the timed generation's calls (the prompt's and each token's): Emily's `Emily.Program.run/3`
+# replays (`Emily.Program.build_time/0`), mlx-lm's model calls. Where the host is the
+# limit, the rest of a token's time is MLX's encoding of those nodes for the device.
+#
 # Encoder: BertModel (last hidden state and pooled output) on token ids {batch, 128},
 # Bumblebee's model through `Axon.build(compiler: Emily.Compiler)`, Transformers with as
 # many threads as MLX's OpenBLAS (every core) or on CUDA where Emily runs on a GPU;
@@ -126,7 +131,9 @@ if Code.ensure_loaded?(Bumblebee) do
         {rss_first, rss_first_peak} = {D.rss_mb(), D.rss_peak_mb()}
         first_mlx_peak = Emily.Memory.stats().peak
         Emily.Memory.reset_peak()
+        {runs0, built0} = Emily.Program.build_time()
         {ids, t0, t1, events} = D.traced(fn -> Nx.Serving.batched_run(name, prompt) end)
+        {runs1, built1} = Emily.Program.build_time()
         b = D.breakdown(t0, t1, events)
         mlx = Emily.Memory.stats()
         {rss_timed, rss} = {D.rss_mb(), D.rss_peak_mb()}
@@ -152,6 +159,7 @@ if Code.ensure_loaded?(Bumblebee) do
               "the VM's own memory #{D.f(:erlang.memory(:total) / 2 ** 20, 0)} MB",
           rss_peak_mb: rss,
           mlx_peak_mb: mlx.peak / 2 ** 20,
+          build_ms: (built1 - built0) / max(runs1 - runs0, 1) / 1000,
           breakdown: b
         }
       end)
@@ -302,8 +310,8 @@ IO.puts("\nload average at the end #{D.load_average()}\n")
 if qwen != [] do
   IO.puts("""
   Qwen3-0.6B shape, random weights, prompt 128, greedy #{new} tokens#{if rounds > 1, do: "; each side's best of #{rounds} rounds", else: ""}. Emily decode / this: Emily's tok/s over this side's (below 1: Emily slower). Peak RSS of a type after the first is raised by what the VM kept from the ones before (glibc keeps freed pages).
-  | type | side | prefill ms | decode tok/s | peak RSS MB | MLX peak MB | Emily decode / this | bound (read bandwidth) |
-  |---|---|---|---|---|---|---|---|\
+  | type | side | prefill ms | decode tok/s | graph building ms a call | peak RSS MB | MLX peak MB | Emily decode / this | bound (read bandwidth) |
+  |---|---|---|---|---|---|---|---|---|\
   """)
 
   for {type, r} <- qwen do
@@ -316,7 +324,8 @@ if qwen != [] do
         x = r[side] do
       IO.puts(
         "| #{type} | #{label} | #{D.f(x[:prefill_ms], 0)} | " <>
-          "#{D.f(x.decode_tok_s, 2)}#{M.range(x.rounds)} | #{D.f(x[:rss_peak_mb], 0)} | " <>
+          "#{D.f(x.decode_tok_s, 2)}#{M.range(x.rounds)} | #{D.f(x[:build_ms], 2)} | " <>
+          "#{D.f(x[:rss_peak_mb], 0)} | " <>
           "#{D.f(x[:mlx_peak_mb], 0)} | " <>
           "#{D.ratio(r[:emily] && r[:emily][:decode_tok_s], x.decode_tok_s)} | " <>
           "#{D.f(bound, 2)} tok/s (#{D.f(bytes / 1.0e9, 2)} GB/token) |"

@@ -143,6 +143,19 @@ defmodule Emily.Program do
   end
 
   @doc """
+  The host time the workers have spent building graphs for `run/3`, over every program
+  and stream since Emily was loaded: `{runs, microseconds}`.
+
+  Building is the replay of a program's instructions into MLX's lazy nodes; nothing is
+  evaluated. Where a loop queues each pass with `run/3` and `Emily.async_eval/1` (as
+  `Emily.Compiler`'s `overlap` does) and the host is the limit, a pass's period is this
+  building plus MLX's encoding of the nodes for the device: the difference of two
+  readings, divided by the runs between them, is a pass's share.
+  """
+  @spec build_time() :: {non_neg_integer, non_neg_integer}
+  def build_time, do: Emily.Native.program_build_time()
+
+  @doc """
   Runs `program` on `inputs` and returns its outputs evaluated (see "Running and
   compiling" above). Options: `:stream` (default `Emily.Stream.current/0`). Raises
   `Emily.Error` if MLX rejects an instruction.

@@ -26,6 +26,18 @@ defmodule Emily.ProgramTest do
     assert Emily.shape(out) == {2}
   end
 
+  test "build_time/0 counts each run/3 and the time spent building its graph" do
+    # x + x + ... + x, 2001 terms: a graph of 2000 nodes takes the worker measurable time
+    # to build. (The suite is not async: no other test runs programs meanwhile.)
+    chain = Program.new(for(i <- 0..1999, do: {:add, [i, 0]}), inputs: 1)
+    {runs0, us0} = Program.build_time()
+    outs = for _ <- 1..3, do: Program.run(chain, [t([1.0])])
+    assert Enum.map(outs, fn [out] -> l(out) end) == List.duplicate([2001.0], 3)
+    {runs1, us1} = Program.build_time()
+    assert runs1 - runs0 == 3
+    assert us1 > us0
+  end
+
   test "dynamic updates sharing start indices clamp them per target, as one by one" do
     # (A program's replay clamps each starts array once per limit: cpp/index.h.)
     instrs = [

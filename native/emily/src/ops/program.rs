@@ -22,7 +22,7 @@ use crate::term::{short, List, Live};
 use crate::worker::{next_id, Busy, Device, State, Worker};
 use rustler::{Decoder, Encoder, Env, NifResult, Resource, ResourceArc, Term};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -799,14 +799,28 @@ fn run(
     // A compiled graph too deep even for the worker's stack to trace runs uncompiled.
     let compiled = p.compile
         && p.compiles_here(&v, ffi::inputs_signature(&v), device).map_err(|e| mlx_error(OP, e, &refs))?;
+    let start = Instant::now();
     let out = if compiled {
         p.compiled(device).and_then(|c| ffi::compiled_call(&c.0, &v))
     } else {
         ffi::program_call(&p.spec.0, &v, &st.stream)
     }
     .map_err(|e| mlx_error(OP, e, &refs))?;
+    BUILD_NANOS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    BUILD_RUNS.fetch_add(1, Ordering::Relaxed);
     check_outputs(OP, &out, p.outputs)?;
     Ok(out)
+}
+
+/// The workers' time in `run` building programs' graphs (MLX's lazy nodes, nothing
+/// evaluated), over every program and stream since the NIF was loaded, and those runs.
+static BUILD_NANOS: AtomicU64 = AtomicU64::new(0);
+static BUILD_RUNS: AtomicU64 = AtomicU64::new(0);
+
+/// `program_build_time()`: `{runs, microseconds}` of `program_run`'s graph building so far.
+#[rustler::nif]
+fn program_build_time() -> (u64, u64) {
+    (BUILD_RUNS.load(Ordering::Relaxed), BUILD_NANOS.load(Ordering::Relaxed) / 1000)
 }
 
 /// `program_info(program)`: `%{inputs:, instructions:, outputs:, compile:}`.
