@@ -21,8 +21,6 @@
 namespace emily {
 namespace mx = mlx::core;
 
-void async_eval_arrays(const ArrayVec& v) { mx::async_eval(v.items); }
-
 std::unique_ptr<ProgramSpec> program_spec_new(size_t n_inputs) {
   auto p = std::make_unique<ProgramSpec>();
   p->n_inputs = n_inputs;

@@ -14,8 +14,6 @@
 
 namespace emily {
 
-void async_eval_arrays(const ArrayVec& v);
-
 struct ProgramInstr {
   uint32_t op;
   std::string name;

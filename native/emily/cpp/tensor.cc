@@ -59,6 +59,7 @@ std::unique_ptr<array> export_array(const array& a, const Stream& s) {
 }
 
 void eval_arrays(const ArrayVec& v) { mx::eval(v.items); }
+void async_eval_arrays(const ArrayVec& v) { mx::async_eval(v.items); }
 
 const uint8_t* array_data(const array& a) { return a.data<uint8_t>(); }
 size_t array_nbytes(const array& a) { return a.nbytes(); }

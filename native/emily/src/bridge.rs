@@ -45,12 +45,11 @@ pub mod ffi {
         fn clone_array(a: &Array) -> UniquePtr<Array>;
         fn export_array(a: &Array, s: &Stream) -> Result<UniquePtr<Array>>;
         fn eval_arrays(v: &ArrayVec) -> Result<()>;
+        fn async_eval_arrays(v: &ArrayVec) -> Result<()>;
         fn array_data(a: &Array) -> *const u8;
         fn array_nbytes(a: &Array) -> usize;
         fn array_shape(a: &Array) -> Vec<i32>;
         fn array_dtype_val(a: &Array) -> u8;
-
-        fn async_eval_arrays(v: &ArrayVec) -> Result<()>;
 
         // memory.h
         include!("memory.h");
