@@ -48,7 +48,7 @@ bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s);
 std::unique_ptr<array> export_array(const array& a, const Stream& s);
 // Evaluates the arrays of `v` in one graph evaluation, leaving each as it comes out.
 void eval_arrays(const ArrayVec& v);
-// The same, queued: errors stay with the arrays until they are waited for.
+// The same, queued: returns once MLX has the graph, without waiting for the values.
 void async_eval_arrays(const ArrayVec& v);
 const uint8_t* array_data(const array& a);
 size_t array_nbytes(const array& a);
