@@ -131,8 +131,9 @@ if Code.ensure_loaded?(Nx) do
 
     Axon's `gelu` (`((erf(x / sqrt(2)) + 1) * x) / 2`, its constants as Axon writes them)
     becomes one instruction that computes those five ops, each rounded as the graph
-    rounds it: on a CPU, one pass over the activation instead of five, with the same
-    values to the bit; elsewhere the same five ops.
+    rounds it, with the same values: on a CPU, one pass over the activation instead of
+    five (f32; other types run the ops); on a GPU, one kernel that MLX's compiler fuses
+    from the same ops.
 
     Axon's `silu` (`sigmoid(x) * x`), and a gated unit's `up * silu(gate)` (Bumblebee's
     gated feed-forward of Llama, Qwen, Mistral and their kin; `up` of the same shape and

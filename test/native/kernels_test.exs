@@ -153,6 +153,32 @@ defmodule Emily.Native.KernelsTest do
     end
   end
 
+  # gelu_erf on a GPU likewise: MLX's compiled form of its five ops, the divisor an
+  # input of the compiled function (two divisors through one trace).
+  @tag :gpu
+  test "gelu_erf on a GPU: its five ops' values, in f32, bf16 and f16, for two divisors" do
+    gpu = Emily.Stream.default(:gpu)
+    bits = Enum.take(inputs(), 4001)
+
+    ops = fn x, c, type ->
+      q = N.erf(gpu, N.divide(gpu, x, Emily.from_list([c], type, shape: {}, stream: gpu)))
+      one = Emily.from_list([1.0], type, shape: {}, stream: gpu)
+      two = Emily.from_list([2.0], type, shape: {}, stream: gpu)
+      N.divide(gpu, N.multiply(gpu, N.add(gpu, q, one), x), two)
+    end
+
+    for type <- [{:f, 32}, {:bf, 16}, {:f, 16}], c <- [:math.sqrt(2), 1.5] do
+      x =
+        tensor(bits)
+        |> Emily.to_binary()
+        |> Emily.from_binary({4001}, {:f, 32}, stream: gpu)
+        |> then(&N.astype(gpu, &1, type))
+
+      assert Emily.to_binary(N.gelu_erf(gpu, x, c)) == Emily.to_binary(ops.(x, c, type)),
+             "#{inspect(type)}, c = #{c}"
+    end
+  end
+
   test "strided and broadcast inputs give the values of their dense copies" do
     x = N.reshape(cpu(), tensor(Enum.take(inputs(), 120)), {10, 12})
     transposed = N.transpose(cpu(), x, [1, 0])

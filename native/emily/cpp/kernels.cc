@@ -28,12 +28,14 @@ namespace mx = mlx::core;
 
 namespace {
 
-// gelu_erf as the graph computes it, op by op.
-array gelu_ops(const array& x, float c, const Stream& s) {
+// gelu_erf as the graph computes it, op by op; `c` is the divisor in x's type.
+array gelu_ops(const array& x, const array& c, const Stream& s) {
   auto t = x.dtype();
-  auto e = mx::erf(mx::divide(x, array(c, t), s), s);
+  auto e = mx::erf(mx::divide(x, c, s), s);
   return mx::divide(mx::multiply(mx::add(e, array(1.0f, t), s), x, s), array(2.0f, t), s);
 }
+
+array gelu_ops(const array& x, float c, const Stream& s) { return gelu_ops(x, array(c, x.dtype()), s); }
 
 // silu as the graph computes it, op by op: sigmoid(x) * x, then `by` times that.
 array silu_ops(const array& x, const std::optional<array>& by, const Stream& s) {
@@ -54,6 +56,20 @@ array silu_gpu(const array& x, const std::optional<array>& by, const Stream& s) 
   });
   if (!(s == mx::default_stream(mx::Device::gpu))) return silu_ops(x, by, s);
   return by ? gated({x, *by})[0] : plain({x})[0];
+}
+
+// gelu_erf likewise (five kernels become one). The divisor is an input of the compiled
+// function, not a constant of its trace, so one trace serves every divisor.
+array gelu_gpu(const array& x, float c, const Stream& s) {
+  static const auto fused = mx::compile([](const std::vector<array>& in) {
+    return std::vector<array>{gelu_ops(in[0], in[1], mx::default_stream(mx::Device::gpu))};
+  });
+  if (!(s == mx::default_stream(mx::Device::gpu))) return gelu_ops(x, c, s);
+  return fused({x, array(c, x.dtype())})[0];
+}
+
+array gelu_any(const array& x, float c, const Stream& s) {
+  return s.device == mx::Device::gpu ? gelu_gpu(x, c, s) : gelu_ops(x, c, s);
 }
 
 }  // namespace
@@ -249,7 +265,7 @@ array sigmoid(const array& a, const Stream& s) {
 }
 
 array gelu_erf(const array& x, float c, const Stream& s) {
-  return applies(x, s) ? elementwise<Fn::gelu>(x, s, c) : gelu_ops(x, c, s);
+  return applies(x, s) ? elementwise<Fn::gelu>(x, s, c) : gelu_any(x, c, s);
 }
 
 static array silu_cpu(const array& x, const std::optional<array>& by, const Stream& s) {
@@ -271,7 +287,7 @@ array softmax(const array& a, const std::vector<int>& axes, bool precise, const 
 
 bool vector_cpu() { return false; }
 array exp(const array& a, const Stream& s) { return mx::exp(a, s); }
-array gelu_erf(const array& x, float c, const Stream& s) { return gelu_ops(x, c, s); }
+array gelu_erf(const array& x, float c, const Stream& s) { return gelu_any(x, c, s); }
 array erf(const array& a, const Stream& s) { return mx::erf(a, s); }
 array sigmoid(const array& a, const Stream& s) { return mx::sigmoid(a, s); }
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s) {

@@ -18,7 +18,8 @@ array erf(const array& a, const Stream& s);
 array sigmoid(const array& a, const Stream& s);
 
 // ((erf(x / c) + 1) * x) / 2, as those five MLX ops compute it in x's type (Axon's gelu,
-// c = sqrt(2)): on a CPU, in one pass over x.
+// c = sqrt(2)): on a CPU, f32 in one pass over x; on a GPU, MLX's compiled form of the
+// same ops (one fused kernel, not five).
 array gelu_erf(const array& x, float c, const Stream& s);
 
 // sigmoid(x) * x, times `by` where given (Axon's silu; a gated unit's silu(gate) * up,

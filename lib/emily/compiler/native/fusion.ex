@@ -5,10 +5,10 @@ if Code.ensure_loaded?(Nx) do
     # norm, layer norm, rotary embeddings or scaled dot-product attention as chains of
     # Nx ops, in the exact form Bumblebee's and Axon's layers write them, lowered to
     # MLX's fused kernel for that function (the ops Emily.Fast's blocks lower to); Axon's
-    # gelu, lowered to Emily's one-pass CPU kernel; Axon's silu, alone or gating another
-    # product (a gated unit's `up * silu(gate)`), lowered to one kernel of the same ops
-    # (cpp/kernels.h); Axon's dense layer, its bias added inside the product; and a
-    # cache update of repeated heads, written unrepeated. A node
+    # gelu, and its silu alone or gating another product (a gated unit's
+    # `up * silu(gate)`), each lowered to one kernel of the same ops (cpp/kernels.h);
+    # Axon's dense layer, its bias added inside the product; and a cache update of
+    # repeated heads, written unrepeated. A node
     # is rewritten when it is the root of such a subgraph, matched on its ops, arguments
     # and shapes; the nodes inside are then not lowered (unless something else reads
     # them, which lowers them as usual).
@@ -510,8 +510,8 @@ if Code.ensure_loaded?(Nx) do
     ## GELU
 
     # Axon's gelu, `((erf(x / c) + 1) * x) / 2` with c its sqrt(2) in x's type. The kernel
-    # computes those five ops, each rounded as the graph rounds it, in one pass (on a CPU;
-    # elsewhere it is the five ops).
+    # computes those five ops, each rounded as the graph rounds it, in one pass (an f32
+    # pass on a CPU, MLX's fused kernel of the ops on a GPU; else the five ops).
     defp gelu(%T{type: type, data: %Expr{args: [num, two]}}) do
       with k when k == 2 <- constant(two),
            %T{data: %Expr{op: :multiply, args: [a, b]}} <- strip(num),
