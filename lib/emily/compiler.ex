@@ -115,7 +115,8 @@ if Code.ensure_loaded?(Nx) do
     computes them in f32 gets the same values up to rounding; one that computes them in
     f16 or bf16 (Axon's layer norm, Bumblebee's softmax, in those types) gets the more
     precise result, within the type's rounding of the unfused one. The rewrites are
-    off with `fuse: false`, and under `:debug_detect_nan_inf` (whose checks follow the
+    off with `fuse: false` (`fuse: [:rms_norm, :rope]` allows only those, `fuse: [except:
+    [:dots]]` all but those), and under `:debug_detect_nan_inf` (whose checks follow the
     ops `Emily.Backend` runs).
 
     Rotary embeddings (Bumblebee's `x * cos + rotate_half(x) * sin`, the tables' rows
@@ -195,8 +196,10 @@ if Code.ensure_loaded?(Nx) do
         `Nx.Defn.Evaluator` takes them (this is how `Nx.Serving` streams and how
         `print_value` hooks are overridden).
       * `:native` - `false` for the evaluator path (default `true`: see above).
-      * `:fuse` - on the native path, `false` lowers every op as it is, without the
-        fused kernels of "Fusion" above (default `true`).
+      * `:fuse` - on the native path, which rewrites of "Fusion" above may fire:
+        `true` (the default) all, `false` none (every op lowered as it is), a list of
+        the names `fusions/3` reports (`[:rms_norm, :scaled_dot_product_attention]`)
+        those alone, `except: names` all but those. An unknown name raises.
       * `:overlap` - on the native path, `false` reads a host loop's condition
         before its next pass is queued (default `true`: see `while` above).
       * `:compile` - on the native path, compile the program with `mx::compile` (a
@@ -535,7 +538,8 @@ if Code.ensure_loaded?(Nx) do
     `:products`, their number), and the kernel's parameters (`:eps`, `:weight`,
     `:bias`; `:dims`; `:scale`, `:mask`, `:heads` as `{query_heads, key_value_heads}`;
     `:gated`; `:groups`). Empty
-    with `fuse: false`, and where the graph runs on the evaluator path.
+    with `fuse: false`, and where the graph runs on the evaluator path; with a list of
+    rewrites as `:fuse`, only those appear.
 
         Emily.Compiler.fusions(&MyModel.forward/2, [params, input])
         #=> [%{rewrite: :rms_norm, eps: 1.0e-6, weight: true, shape: {1, 4, 32}, ...}, ...]

@@ -723,6 +723,54 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    defn(rms_then_gelu(x, w), do: axon_gelu(bb_rms(x, w)))
+
+    test "fuse: a list of rewrites allows those alone, except: all but those" do
+      x = rand({2, 16}, :f32, 72)
+      w = rand({16}, :f32, 73)
+
+      names = fn opts ->
+        Enum.map(Emily.Compiler.fusions(&rms_then_gelu/2, [x, w], opts), & &1.rewrite)
+      end
+
+      assert names.([]) == [:rms_norm, :gelu]
+      assert names.(fuse: true) == [:rms_norm, :gelu]
+      assert names.(fuse: [:gelu]) == [:gelu]
+      assert names.(fuse: [except: [:gelu]]) == [:rms_norm]
+      assert names.(fuse: [:rms_norm, :gelu, :rope]) == [:rms_norm, :gelu]
+      assert names.(fuse: []) == []
+
+      # The CPU's gelu kernel gives the five ops' bits: with the norm unfused on both
+      # sides, the run that fuses gelu alone equals the one that fuses nothing.
+      assert Nx.to_binary(run(&rms_then_gelu/2, [x, w], cache: false, fuse: [:gelu])) ==
+               Nx.to_binary(run(&rms_then_gelu/2, [x, w], cache: false, fuse: false))
+    end
+
+    test "fuse: an unknown rewrite or another value raises, naming the rewrites" do
+      x = rand({2, 16}, :f32, 74)
+      w = rand({16}, :f32, 75)
+
+      for bad <- [[:rms_norms], [except: [:flash]], :yes, [except: :rms_norm, only: [:rope]]] do
+        assert_raise ArgumentError, ~r/:fuse .*:scaled_dot_product_attention.*got: /, fn ->
+          run(&bb_rms/2, [x, w], cache: false, fuse: bad)
+        end
+
+        assert_raise ArgumentError, ~r/:fuse/, fn ->
+          Emily.Compiler.fusions(&bb_rms/2, [x, w], fuse: bad)
+        end
+      end
+    end
+
+    test "the rewrites fusions/3 documents are the ones :fuse takes" do
+      {:docs_v1, _, _, _, _, _, docs} = Code.fetch_docs(Emily.Compiler)
+      [doc] = for {{:function, :fusions, 3}, _, _, %{"en" => doc}, _} <- docs, do: doc
+      [listed] = Regex.run(~r/`:rewrite` \(([^)]*)\)/s, doc, capture: :all_but_first)
+      documented = Regex.scan(~r/`:(\w+)`/, listed, capture: :all_but_first) |> List.flatten()
+
+      assert Enum.sort(documented) ==
+               Enum.sort(Enum.map(Emily.Compiler.Native.Fusion.rewrites(), &to_string/1))
+    end
+
     def forward(_event, measurements, meta, pid), do: send(pid, {:fusion, measurements, meta})
   end
 else

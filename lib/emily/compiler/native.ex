@@ -37,6 +37,8 @@ if Code.ensure_loaded?(Nx) do
       # it traced is a graph the lowering does not know: the graph falls back, with the
       # error as its reason.
       result = fun.(vars)
+      # So is a bad `:fuse`: it raises here, not as a graph to fall back on.
+      _ = Fusion.enabled(opts)
 
       {plan, lowered} =
         try do
@@ -208,7 +210,7 @@ if Code.ensure_loaded?(Nx) do
         defaults: defaults,
         results: Map.new(hosted),
         hooks: opts[:hooks] || %{},
-        fuse: Fusion.enabled?(opts),
+        fuse: Fusion.enabled(opts),
         fused: [],
         dots: %{},
         nested: 0,
@@ -240,7 +242,9 @@ if Code.ensure_loaded?(Nx) do
         dots: st.dots
       }
 
-      {lowered, grouped} = lowered |> fold_constants(st) |> prune() |> Siblings.group(st.fuse)
+      {lowered, grouped} =
+        lowered |> fold_constants(st) |> prune() |> Siblings.group(MapSet.member?(st.fuse, :dots))
+
       Fusion.report(Enum.reverse(st.fused) ++ grouped)
       Map.delete(lowered, :dots)
     end
@@ -457,7 +461,7 @@ if Code.ensure_loaded?(Nx) do
           check_type(t.type, st.device)
 
           {slot, st} =
-            with true <- st.fuse,
+            with true <- MapSet.size(st.fuse) > 0,
                  {slot, st} <- Fusion.rewrite(t, st) do
               {slot, st}
             else

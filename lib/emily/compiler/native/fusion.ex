@@ -31,6 +31,13 @@ if Code.ensure_loaded?(Nx) do
 
     @kernel_types [{:f, 16}, {:bf, 16}, {:f, 32}]
 
+    # The rewrites, by the names the report gives them: the `:fuse` option's words.
+    @rewrites [:rms_norm, :layer_norm, :rope, :scaled_dot_product_attention, :gelu, :silu] ++
+                [:dense, :sliced_dot, :repeated_update, :dots]
+
+    @doc false
+    def rewrites, do: @rewrites
+
     @doc false
     # The slot of `t` lowered to a fused kernel, with the rewrite recorded in
     # `st.fused`; nil where no rewrite matches `t`.
@@ -38,6 +45,7 @@ if Code.ensure_loaded?(Nx) do
         when op in [:multiply, :add, :dot, :divide, :slice, :put_slice] do
       # (A build may still decline, on values it computes: nil.)
       with {info, build} <- match(t),
+           true <- MapSet.member?(st.fuse, info.rewrite),
            {_slot, _st} = built <- build.(st) do
         record(built, Map.put(info, :shape, t.shape), t)
       else
@@ -48,10 +56,38 @@ if Code.ensure_loaded?(Nx) do
     def rewrite(_t, _st), do: nil
 
     @doc false
-    # Whether the lowering rewrites (the compiler's `:fuse` option, default true). Not
-    # under :debug_detect_nan_inf, whose checks follow the ops Emily.Backend runs.
-    def enabled?(opts),
-      do: Keyword.get(opts, :fuse, true) != false and not Emily.Debug.detect_nan_inf?()
+    # The rewrites the lowering may make, a set (the compiler's `:fuse` option: `true`,
+    # the default, all; `false` none; a list of names, those; `except: names`, all but
+    # those). None under :debug_detect_nan_inf, whose checks follow the ops
+    # Emily.Backend runs.
+    def enabled(opts) do
+      allowed =
+        case Keyword.get(opts, :fuse, true) do
+          true -> @rewrites
+          false -> []
+          [except: names] = given -> @rewrites -- known!(names, given)
+          names when is_list(names) -> known!(names, names)
+          other -> raise ArgumentError, "Emily.Compiler's :fuse #{bad(other)}"
+        end
+
+      if Emily.Debug.detect_nan_inf?(), do: MapSet.new(), else: MapSet.new(allowed)
+    end
+
+    defp known!(names, given) do
+      case Enum.reject(List.wrap(names), &(&1 in @rewrites)) do
+        [] ->
+          List.wrap(names)
+
+        unknown ->
+          raise ArgumentError,
+                "Emily.Compiler's :fuse names no rewrite #{inspect(unknown)}; it #{bad(given)}"
+      end
+    end
+
+    defp bad(given) do
+      "takes true, false, a list of rewrites or except: a list of rewrites (the rewrites: " <>
+        "#{inspect(@rewrites)}), got: #{inspect(given)}"
+    end
 
     @telemetry? Code.ensure_loaded?(:telemetry)
     @collect {__MODULE__, :collect}
