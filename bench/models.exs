@@ -17,22 +17,24 @@
 # Decoder: the prompt is 128 ASCII characters, one token each (bench/make_models.py's
 # byte-level tokenizer); greedy, no end token, `--new` tokens. Emily's side is a started
 # `Bumblebee.Text.generation` serving (batch 1, sequence length 128) whose
-# postprocessing returns the token ids, called twice: the first call lowers the graph
-# (Nx.Serving initialises a batch key's computation on first use) and is reported apart;
-# the second is the figure. mlx-lm runs `generate_step`, Transformers `generate`, each
-# after a 2-token warm-up. Prefill = from the call to the first token (on Emily, until
+# postprocessing returns the token ids: its first call lowers the graph (Nx.Serving
+# initialises a batch key's computation on first use) and is reported apart; each later
+# call is a round. mlx-lm runs `generate_step`, Transformers `generate`, each in a
+# server of its own (bench/models.py's `--serve`) that loads the checkpoint and makes a
+# 2-token warm-up once, then one generation a round. Prefill = from the call to the first token (on Emily, until
 # the generation loop reads its condition after the prompt's pass); decode = tokens 2..N
 # over the time from the first to the last. Peak RSS is the process's high-water mark
 # from loading on (/proc/self/clear_refs reset before Emily's load); MLX peak is MLX's
 # own (Emily.Memory). The three sides' token ids are compared; bf16 sides round
 # differently and part at some step, which is printed.
 #
-# `--rounds=N` runs the three decoder sides N times, alternating their order each round,
-# and reports each side's best round (its decode tok/s, with the range over the rounds):
-# on a host whose speed moves from one minute to the next (a GPU server's, seen here),
-# one round's ratio says little.
+# `--rounds=N` runs the three decoder sides N times, alternating their order each round
+# (each side loaded once, so a round costs the three generations alone), and reports
+# each side's best round and the median and range of its decode tok/s: on a host whose
+# speed moves from one minute to the next (a GPU server's, seen here), one round's ratio
+# says little.
 #
-# Emily's per-token breakdown: the second call is traced (`:erlang.trace` on
+# Emily's per-token breakdown: each timed call is traced (`:erlang.trace` on
 # Emily.Program.run/3, Emily.Program.eval/3 and Emily.to_list/1, call times only): each
 # pass of the loop is one program call, queued before the previous pass's condition is
 # read (Emily.Compiler's `overlap`), and one read; a pass's period, and the host's time
@@ -78,13 +80,35 @@ defmodule Bench.Models do
       nil
   end
 
-  # " (min-max of N rounds)" where there were several.
+  # A Python side's generation server (models.py generate ... --serve): the checkpoint
+  # loaded and warmed up once, one timed generation per request. nil where the side
+  # cannot start (mlx-lm missing on a GPU host, say).
+  def generator(impl, ckpt, ids_file, new, device) do
+    env = if impl == "mlx", do: [{"LD_PRELOAD", "libopenblas.so.0"}], else: []
+    args = ["generate", impl, ckpt, ids_file, "#{new}", device]
+    Bench.python_server(Path.join(__DIR__, "models.py"), args, env)
+  rescue
+    e in [RuntimeError, ErlangError] ->
+      IO.puts("  (#{impl}: #{Exception.message(e) |> String.slice(0, 120)})")
+      nil
+  end
+
+  # One timed generation of a Python side, with the ids it made.
+  def generation(port, ids_file),
+    do:
+      port
+      |> Bench.python_request("run")
+      |> Map.put(:tokens, Bench.Decode.read_ids(ids_file <> ".out"))
+
+  def median(xs), do: Bench.quantile(xs, 0.5)
+
+  # " (median M; min-max, N rounds)" where there were several.
   def range([_]), do: ""
 
   def range(values),
     do:
-      " (#{Bench.Decode.f(Enum.min(values), 2)}-#{Bench.Decode.f(Enum.max(values), 2)}, " <>
-        "#{length(values)} rounds)"
+      " (median #{Bench.Decode.f(median(values), 2)}; #{Bench.Decode.f(Enum.min(values), 2)}-" <>
+        "#{Bench.Decode.f(Enum.max(values), 2)}, #{length(values)} rounds)"
 
   # A side's rounds: the fastest, with every round's decode tok/s under :rounds.
   def best_round(rs) do
@@ -107,62 +131,68 @@ if Code.ensure_loaded?(Bumblebee) do
     alias Bench.Models, as: M
     alias Bench.Decode, as: D
 
-    def generate(dir, type, prompt, new, defn_options) do
-      Bench.isolated(fn ->
-        Nx.default_backend(Emily.Backend)
-        D.reset_rss_peak()
-        Emily.Memory.reset_peak()
+    # Loads the checkpoint, starts a generation serving and makes its first call (which
+    # lowers the graph): `{pid, setup}`, the side's loading figures. The serving holds
+    # the parameters; the loaded copy is dropped.
+    def start(dir, type, prompt, new, defn_options) do
+      Nx.default_backend(Emily.Backend)
+      D.reset_rss_peak()
+      Emily.Memory.reset_peak()
 
-        {load_us, {:ok, info}} =
-          :timer.tc(fn ->
-            Bumblebee.load_model({:local, dir}, type: type, backend: Emily.Backend)
-          end)
+      {load_us, {:ok, info}} =
+        :timer.tc(fn ->
+          Bumblebee.load_model({:local, dir}, type: type, backend: Emily.Backend)
+        end)
 
-        rss_loaded = D.rss_peak_mb()
-        {pid, name} = D.start_generation(info, dir, prompt, new, defn_options)
-        # The serving holds the parameters; the loaded copy here is dropped.
-        info = nil
-        _ = info
-        :erlang.garbage_collect()
+      rss_loaded = D.rss_peak_mb()
+      {pid, name} = D.start_generation(info, dir, prompt, new, defn_options)
+      info = nil
+      _ = info
+      :erlang.garbage_collect()
 
-        rss_started = D.rss_mb()
-        Emily.Memory.reset_peak()
-        {first_us, first_ids} = :timer.tc(fn -> Nx.Serving.batched_run(name, prompt) end)
-        {rss_first, rss_first_peak} = {D.rss_mb(), D.rss_peak_mb()}
-        first_mlx_peak = Emily.Memory.stats().peak
-        Emily.Memory.reset_peak()
-        {runs0, built0} = Emily.Program.build_time()
-        {ids, t0, t1, events} = D.traced(fn -> Nx.Serving.batched_run(name, prompt) end)
-        {runs1, built1} = Emily.Program.build_time()
-        b = D.breakdown(t0, t1, events)
-        mlx = Emily.Memory.stats()
-        {rss_timed, rss} = {D.rss_mb(), D.rss_peak_mb()}
+      rss_started = D.rss_mb()
+      Emily.Memory.reset_peak()
+      {first_us, first_ids} = :timer.tc(fn -> Nx.Serving.batched_run(name, prompt) end)
+      {rss_first, rss_first_peak} = {D.rss_mb(), D.rss_peak_mb()}
+      first_mlx_peak = Emily.Memory.stats().peak
 
-        D.stop(pid)
+      {pid,
+       %{
+         name: name,
+         first_ids: first_ids,
+         load_s: load_us / 1.0e6,
+         first_call_s: first_us / 1.0e6,
+         rss_loaded_mb: rss_loaded,
+         rss_points:
+           "RSS #{D.f(rss_started, 0)} MB with the serving started, " <>
+             "#{D.f(rss_first, 0)} MB after the first call (peak #{D.f(rss_first_peak, 0)}; " <>
+             "MLX peak #{D.f(first_mlx_peak / 2 ** 20, 0)} MB)"
+       }}
+    end
 
-        {ids_tokens, ^new} = {ids, length(ids)}
+    # One timed (and traced) generation of the started serving.
+    def generation(setup, prompt, new) do
+      Emily.Memory.reset_peak()
+      {runs0, built0} = Emily.Program.build_time()
+      {ids, t0, t1, events} = D.traced(fn -> Nx.Serving.batched_run(setup.name, prompt) end)
+      {runs1, built1} = Emily.Program.build_time()
+      b = D.breakdown(t0, t1, events)
+      mlx = Emily.Memory.stats()
+      ^new = length(ids)
 
-        %{
-          tokens: ids_tokens,
-          first_call_tokens_equal: first_ids == ids,
-          load_s: load_us / 1.0e6,
-          first_call_s: first_us / 1.0e6,
-          prefill_ms: b.prefill_ms,
-          decode_tok_s: (new - 1) / ((b.total_ms - b.prefill_ms - b.after_ms) / 1000),
-          total_s: b.total_ms / 1000,
-          rss_loaded_mb: rss_loaded,
-          rss_points:
-            "RSS #{D.f(rss_started, 0)} MB with the serving started, " <>
-              "#{D.f(rss_first, 0)} MB after the first call (peak #{D.f(rss_first_peak, 0)}; " <>
-              "MLX peak #{D.f(first_mlx_peak / 2 ** 20, 0)} MB), " <>
-              "#{D.f(rss_timed, 0)} MB after the timed one; MLX active #{D.f(mlx.active / 2 ** 20, 0)} MB, " <>
-              "the VM's own memory #{D.f(:erlang.memory(:total) / 2 ** 20, 0)} MB",
-          rss_peak_mb: rss,
-          mlx_peak_mb: mlx.peak / 2 ** 20,
-          build_ms: (built1 - built0) / max(runs1 - runs0, 1) / 1000,
-          breakdown: b
-        }
-      end)
+      %{
+        tokens: ids,
+        first_call_tokens_equal: setup.first_ids == ids,
+        prefill_ms: b.prefill_ms,
+        decode_tok_s: (new - 1) / ((b.total_ms - b.prefill_ms - b.after_ms) / 1000),
+        total_s: b.total_ms / 1000,
+        rss_peak_mb: D.rss_peak_mb(),
+        rss_after_mb: D.rss_mb(),
+        mlx_peak_mb: mlx.peak / 2 ** 20,
+        mlx_active_mb: mlx.active / 2 ** 20,
+        build_ms: (built1 - built0) / max(runs1 - runs0, 1) / 1000,
+        breakdown: b
+      }
     end
 
     def bert(dir, batches, pairs, gpu?) do
@@ -260,32 +290,50 @@ qwen =
       ckpt = Path.join(dir, "qwen3-#{type}")
       IO.puts("Qwen3 #{type} (#{ckpt}), load average #{D.load_average()}")
 
-      python_side = fn impl ->
-        env = if impl == "mlx", do: [{"LD_PRELOAD", "libopenblas.so.0"}], else: []
-        device = if gpu?, do: if(impl == "mlx", do: "gpu", else: "cuda"), else: "cpu"
-        r = M.python_maybe(["generate", impl, ckpt, ids_file, "#{new}", device], env)
-        r && Map.put(r, :tokens, D.read_ids(ids_file <> ".out"))
-      end
+      # Each side loaded once (Emily's serving started and its graph lowered, the Python
+      # sides' servers warmed up), then alternated round by round.
+      device = fn impl -> if gpu?, do: if(impl == "mlx", do: "gpu", else: "cuda"), else: "cpu" end
+      emily = if bumblebee?, do: Bench.Models.Emily.start(ckpt, type, prompt, new, defn_options)
 
-      emily_side = fn ->
-        if bumblebee?, do: Bench.Models.Emily.generate(ckpt, type, prompt, new, defn_options)
-      end
+      ports =
+        for impl <- ["mlx", "torch"], do: M.generator(impl, ckpt, ids_file, new, device.(impl))
 
-      # Emily first, then the others; the next type in the reverse order.
-      sides = [
-        emily: emily_side,
-        mlx: fn -> python_side.("mlx") end,
-        torch: fn -> python_side.("torch") end
-      ]
+      [mlx, torch] = ports
 
+      sides =
+        Enum.filter(
+          [
+            emily: emily && fn -> Bench.Models.Emily.generation(elem(emily, 1), prompt, new) end,
+            mlx: mlx && fn -> M.generation(mlx, ids_file) end,
+            torch: torch && fn -> M.generation(torch, ids_file) end
+          ],
+          &elem(&1, 1)
+        )
+
+      # Emily first, then the others; the next round (and type) in the reverse order.
       runs =
         for round <- 1..rounds//1, reduce: %{} do
           acc ->
             order = if rem(i + round, 2) == 1, do: sides, else: Enum.reverse(sides)
 
-            for {name, side} <- order, r = side.(), reduce: acc do
-              acc -> Map.update(acc, name, [r], &[r | &1])
+            for {name, side} <- order, reduce: acc do
+              acc ->
+                r = side.()
+                Map.update(acc, name, [r], &[r | &1])
             end
+        end
+
+      for port <- ports, port, do: Port.close(port)
+
+      runs =
+        case emily do
+          {pid, setup} ->
+            D.stop(pid)
+            :erlang.garbage_collect()
+            Map.update!(runs, :emily, fn rs -> Enum.map(rs, &Map.put(&1, :setup, setup)) end)
+
+          nil ->
+            runs
         end
 
       {type, Map.new(runs, fn {name, rs} -> {name, M.best_round(rs)} end)}
@@ -309,8 +357,8 @@ IO.puts("\nload average at the end #{D.load_average()}\n")
 
 if qwen != [] do
   IO.puts("""
-  Qwen3-0.6B shape, random weights, prompt 128, greedy #{new} tokens#{if rounds > 1, do: "; each side's best of #{rounds} rounds", else: ""}. Emily decode / this: Emily's tok/s over this side's (below 1: Emily slower). Peak RSS of a type after the first is raised by what the VM kept from the ones before (glibc keeps freed pages).
-  | type | side | prefill ms | decode tok/s | graph building ms a call | peak RSS MB | MLX peak MB | Emily decode / this | bound (read bandwidth) |
+  Qwen3-0.6B shape, random weights, prompt 128, greedy #{new} tokens#{if rounds > 1, do: "; each side's best of #{rounds} alternated rounds (its prefill, graph building and peaks are the best round's)", else: ""}. Emily decode / this: Emily's tok/s over this side's, best round against best round, and median against median (below 1: Emily slower). Peak RSS of a type after the first is raised by what the VM kept from the ones before (glibc keeps freed pages).
+  | type | side | prefill ms | decode tok/s | graph building ms a call | peak RSS MB | MLX peak MB | Emily decode / this (medians) | bound (read bandwidth) |
   |---|---|---|---|---|---|---|---|---|\
   """)
 
@@ -327,7 +375,8 @@ if qwen != [] do
           "#{D.f(x.decode_tok_s, 2)}#{M.range(x.rounds)} | #{D.f(x[:build_ms], 2)} | " <>
           "#{D.f(x[:rss_peak_mb], 0)} | " <>
           "#{D.f(x[:mlx_peak_mb], 0)} | " <>
-          "#{D.ratio(r[:emily] && r[:emily][:decode_tok_s], x.decode_tok_s)} | " <>
+          "#{D.ratio(r[:emily] && r[:emily][:decode_tok_s], x.decode_tok_s)} " <>
+          "(#{D.ratio(r[:emily] && M.median(r[:emily].rounds), M.median(x.rounds))}) | " <>
           "#{D.f(bound, 2)} tok/s (#{D.f(bytes / 1.0e9, 2)} GB/token) |"
       )
     end
@@ -355,9 +404,9 @@ if qwen != [] do
       b = e.breakdown
 
       IO.puts("""
-        Emily #{type}: load #{D.f(e.load_s, 1)} s (peak RSS after it #{D.f(e.rss_loaded_mb, 0)} MB); first call (graph lowered) #{D.f(e.first_call_s, 1)} s, same ids: #{e.first_call_tokens_equal}; timed call #{D.f(e.total_s, 1)} s
-        #{e.rss_points}
-        per token: #{b.passes} loop passes, #{b.calls} program calls in all (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{D.f(b.pass_ms, 1)} ms, from its program call to the next read #{D.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{D.f(b.after_ms, 1)} ms\
+        Emily #{type}: load #{D.f(e.setup.load_s, 1)} s (peak RSS after it #{D.f(e.setup.rss_loaded_mb, 0)} MB); first call (graph lowered) #{D.f(e.setup.first_call_s, 1)} s, same ids: #{e.first_call_tokens_equal}; best timed call #{D.f(e.total_s, 1)} s
+        #{e.setup.rss_points}, #{D.f(e.rss_after_mb, 0)} MB after the best timed one; MLX active #{D.f(e.mlx_active_mb, 0)} MB, the VM's own memory #{D.f(:erlang.memory(:total) / 2 ** 20, 0)} MB
+        best round, per token: #{b.passes} loop passes, #{b.calls} program calls in all (#{if b.overlapped, do: "each pass queued before the last one's condition is read", else: "each pass evaluated, then its condition read"}); a pass #{D.f(b.pass_ms, 1)} ms, from its program call to the next read #{D.f(b.call_to_read_ms, 2)} ms (medians); after the loop #{D.f(b.after_ms, 1)} ms\
       """)
     end
   end

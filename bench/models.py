@@ -2,15 +2,19 @@
 on PyTorch, on the checkpoints bench/make_models.py makes. Each command prints
 `name value` lines (bench/support/bench.exs, `Bench.python/3`):
 
-    python3 bench/models.py generate mlx|torch DIR IDS N [DEVICE]
+    python3 bench/models.py generate mlx|torch DIR IDS N [DEVICE] [--serve]
         greedy generation of N tokens from the prompt in the file IDS (token ids, one
         line, space-separated) with the checkpoint in DIR, in the checkpoint's dtype,
         after a warm-up generation of 2 tokens from the prompt's first 8. Prints
         prefill_ms (from the call to the first token), decode_tok_s (tokens 2..N over
         the time from the first token to the last), total_s, rss_peak_mb (the process's
         peak resident memory, loading included), mlx_peak_mb (MLX's own peak, mlx
-        only), and writes the generated ids to IDS.out. DEVICE: cpu (default) or cuda
-        (torch) / gpu (mlx).
+        only), build_ms (mlx only: the model calls' graph building, a call), and writes
+        the generated ids to IDS.out. DEVICE: cpu (default) or cuda (torch) / gpu (mlx).
+        With --serve, the model is loaded and warmed up once, `ready` is printed, and
+        each line read from stdin runs one generation, answered by one line of
+        `name=value` pairs (bench/support/bench.exs, `Bench.python_request/2`): the
+        rounds of bench/models.exs, alternated with Emily's.
     python3 bench/models.py bandwidth
         the memory bandwidth of a 1 GiB f32 copy (numpy: bytes read + written) and of a
         sum over it (PyTorch, all threads: bytes read), GB/s.
@@ -75,7 +79,8 @@ class Timed:
         return getattr(self.model, name)
 
 
-def mlx_generate(path, ids, n, device):
+def mlx_generator(path, ids, n, device):
+    """Loads the checkpoint and warms mlx-lm up: a function of one timed generation."""
     from pathlib import Path
 
     import mlx.core as mx
@@ -84,16 +89,20 @@ def mlx_generate(path, ids, n, device):
     if device == "gpu":
         mx.set_default_device(mx.gpu)
     model, _ = load_model(Path(path))
-
     mlx_greedy(model, ids[:8], 2)
-    mx.reset_peak_memory()
-    timed = Timed(model)
-    t0, tokens, times = mlx_greedy(timed, ids, n)
-    return t0, tokens, times, {"mlx_peak_mb": mx.get_peak_memory() / 2**20,
-                               "build_ms": timed.seconds / timed.calls * 1e3}
+
+    def run():
+        mx.reset_peak_memory()
+        timed = Timed(model)
+        t0, tokens, times = mlx_greedy(timed, ids, n)
+        return t0, tokens, times, {"mlx_peak_mb": mx.get_peak_memory() / 2**20,
+                                   "build_ms": timed.seconds / timed.calls * 1e3}
+
+    return run
 
 
-def torch_generate(path, ids, n, device):
+def torch_generator(path, ids, n, device):
+    """Loads the checkpoint and warms Transformers up: a function of one timed generation."""
     import torch
     import transformers as tf
     from transformers.generation.streamers import BaseStreamer
@@ -125,7 +134,7 @@ def torch_generate(path, ids, n, device):
         def end(self):
             pass
 
-    def run(prompt, count):
+    def generate_from(prompt, count):
         streamer = Times()
         x = torch.tensor([prompt], device=device)
         with torch.no_grad():
@@ -137,27 +146,35 @@ def torch_generate(path, ids, n, device):
             )
         return t0, out[0, len(prompt):].tolist(), streamer.times
 
-    run(ids[:8], 2)
-    t0, tokens, times = run(ids, n)
-    return t0, tokens, times, {}
+    generate_from(ids[:8], 2)
+    return lambda: generate_from(ids, n) + ({},)
 
 
-def generate(impl, path, ids_file, n, device):
-    ids = read_ids(ids_file)
-    fun = {"mlx": mlx_generate, "torch": torch_generate}[impl]
-    t0, tokens, times, extra = fun(path, ids, n, device)
+def timed_generation(run, ids_file, n):
+    """One generation's figures; its ids go to IDS.out."""
+    t0, tokens, times, extra = run()
     assert len(tokens) == n and len(times) == n, (len(tokens), len(times))
     with open(ids_file + ".out", "w") as f:
         f.write(" ".join(map(str, tokens)) + "\n")
-    figures = {
+    return {
         "prefill_ms": (times[0] - t0) * 1e3,
         "decode_tok_s": (n - 1) / (times[-1] - times[0]),
         "total_s": times[-1] - t0,
         "rss_peak_mb": rss_peak_mb(),
         **extra,
     }
-    for name, value in figures.items():
-        print(f"{name} {value:.4f}", flush=True)
+
+
+def generate(impl, path, ids_file, n, device, serve):
+    run = {"mlx": mlx_generator, "torch": torch_generator}[impl](path, read_ids(ids_file), n, device)
+    if not serve:
+        for name, value in timed_generation(run, ids_file, n).items():
+            print(f"{name} {value:.4f}", flush=True)
+        return
+    print("ready", flush=True)
+    for _request in sys.stdin:
+        figures = timed_generation(run, ids_file, n)
+        print(" ".join(f"{name}={value:.4f}" for name, value in figures.items()), flush=True)
 
 
 def bandwidth():
@@ -209,9 +226,11 @@ def bert_ids(batch, vocab, seq=128):
 def main():
     cmd = sys.argv[1]
     if cmd == "generate":
-        impl, path, ids_file, n = sys.argv[2:6]
-        device = sys.argv[6] if len(sys.argv) > 6 else "cpu"
-        generate(impl, path, ids_file, int(n), device)
+        serve = "--serve" in sys.argv
+        args = [a for a in sys.argv[2:] if a != "--serve"]
+        impl, path, ids_file, n = args[:4]
+        device = args[4] if len(args) > 4 else "cpu"
+        generate(impl, path, ids_file, int(n), device, serve)
     elif cmd == "bandwidth":
         bandwidth()
     elif cmd == "bert":

@@ -196,4 +196,31 @@ defmodule Bench do
       {^port, {:exit_status, status}} -> raise "the Python server exited (#{status})"
     end
   end
+
+  @doc """
+  Sends the server (`python_server/3`) one request line and reads its answer, one line
+  of `name=value` pairs: a map of atom names to floats (other lines the server printed
+  are passed over).
+  """
+  def python_request(port, request) do
+    Port.command(port, request <> "\n")
+    answer(port)
+  end
+
+  defp answer(port) do
+    receive do
+      {^port, {:data, {:eol, line}}} ->
+        figures =
+          for pair <- String.split(line),
+              [k, v] <- [String.split(pair, "=", parts: 2)],
+              {x, ""} <- [Float.parse(v)],
+              into: %{},
+              do: {String.to_atom(k), x}
+
+        if figures == %{}, do: answer(port), else: figures
+
+      {^port, {:exit_status, status}} ->
+        raise "the Python server exited (#{status})"
+    end
+  end
 end
