@@ -352,7 +352,18 @@ defmodule Emily.Native.LinalgTest do
       assert_close(l(N.dot(cpu(), xs, [1], [], t(w, {:f, 32}, {k, n}), [0], [])), expect, 1.0e-4)
 
       wt = t(l(N.transpose(cpu(), t(w, {:f, 32}, {k, n}), [1, 0])), {:f, 32}, {n, k})
-      assert_close(l(N.dot(cpu(), xs, [1], [], wt, [1], [])), expect, 1.0e-4)
+      full = N.dot(cpu(), xs, [1], [], wt, [1], [])
+      assert_close(l(full), expect, 1.0e-4)
+
+      # Read by columns, several columns go through the kernel at once, each summed as
+      # alone: every output has the bits of its column's product by itself.
+      alone =
+        for j <- 0..(n - 1) do
+          row = N.slice(cpu(), wt, [j, 0], [j + 1, k], [1, 1])
+          N.dot(cpu(), xs, [1], [], row, [1], []) |> Emily.to_binary()
+        end
+
+      assert Emily.to_binary(full) == IO.iodata_to_binary(alone)
     end
 
     # bf16 operands (on x86-64 with AVX2, Emily's kernel): sums in f32 over the bf16

@@ -84,24 +84,42 @@ EMILY_VECTOR void rows_part(const float* x, const W* b, int64_t ldb, float* y, i
 }
 
 // y[j0, j1) of x (k) times b (k, n) stored by columns, column j at b + j * ldb (the
-// transpose of a row-major (n, k) weight): each output a dot product over k.
+// transpose of a row-major (n, k) weight): each output a dot product over k, in four
+// accumulators of eight lanes over steps of 32. Columns go C at a time, each summed as
+// alone: one load of x serves C columns, and C streams in flight read the memory
+// faster than one (a tied LM head, 1024 x 151936 f32, on two cores: 1.2x).
+template <int C, typename W>
+EMILY_VECTOR void cols_block(const float* x, const W* b, int64_t ldb, float* y, int k, int j) {
+  const W* c[C];
+  __m256 a[C][4];
+  for (int q = 0; q < C; q++) {
+    c[q] = b + (j + q) * ldb;
+    for (int r = 0; r < 4; r++) a[q][r] = _mm256_setzero_ps();
+  }
+  int i = 0;
+  for (; i + 32 <= k; i += 32) {
+    for (int r = 0; r < 4; r++) {
+      __m256 xv = _mm256_loadu_ps(x + i + 8 * r);
+#pragma GCC unroll 8
+      for (int q = 0; q < C; q++) a[q][r] = _mm256_fmadd_ps(load8(c[q] + i + 8 * r), xv, a[q][r]);
+    }
+  }
+  for (; i + 8 <= k; i += 8) {
+    __m256 xv = _mm256_loadu_ps(x + i);
+    for (int q = 0; q < C; q++) a[q][0] = _mm256_fmadd_ps(load8(c[q] + i), xv, a[q][0]);
+  }
+  for (int q = 0; q < C; q++) {
+    float sum = kernels::vec::sum8(_mm256_add_ps(_mm256_add_ps(a[q][0], a[q][1]), _mm256_add_ps(a[q][2], a[q][3])));
+    for (int t = i; t < k; t++) sum = std::fma(load1(c[q] + t), x[t], sum);
+    y[j + q] = sum;
+  }
+}
+
 template <typename W>
 EMILY_VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
-  for (int j = j0; j < j1; j++) {
-    const W* c = b + j * ldb;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int i = 0;
-    for (; i + 32 <= k; i += 32) {
-      a0 = _mm256_fmadd_ps(load8(c + i), _mm256_loadu_ps(x + i), a0);
-      a1 = _mm256_fmadd_ps(load8(c + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-      a2 = _mm256_fmadd_ps(load8(c + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-      a3 = _mm256_fmadd_ps(load8(c + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(load8(c + i), _mm256_loadu_ps(x + i), a0);
-    float sum = kernels::vec::sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < k; i++) sum = std::fma(load1(c + i), x[i], sum);
-    y[j] = sum;
-  }
+  int j = j0;
+  for (; j + 4 <= j1; j += 4) cols_block<4>(x, b, ldb, y, k, j);
+  for (; j < j1; j++) cols_block<1>(x, b, ldb, y, k, j);
 }
 
 // One pass's chunk: columns [from, to) of the product with weight `w`.
