@@ -71,15 +71,6 @@ defmodule Bench.Models do
     |> Map.new(fn {k, v} -> {String.to_atom(k), v} end)
   end
 
-  # A Python side that may be missing (mlx-lm on a GPU host, say): nil then.
-  def python_maybe(args, env \\ []) do
-    python(args, env)
-  rescue
-    e in [MatchError, ErlangError] ->
-      IO.puts("  (#{Enum.at(args, 1)}: #{Exception.message(e) |> String.slice(0, 120)})")
-      nil
-  end
-
   # A Python side's generation server (models.py generate ... --serve): the checkpoint
   # loaded and warmed up once, one timed generation per request. nil where the side
   # cannot start (mlx-lm missing on a GPU host, say).
