@@ -91,14 +91,12 @@ defmodule Bench.Models do
       |> Bench.python_request("run")
       |> Map.put(:tokens, Bench.Decode.read_ids(ids_file <> ".out"))
 
-  def median(xs), do: Bench.quantile(xs, 0.5)
-
   # " (median M; min-max, N rounds)" where there were several.
   def range([_]), do: ""
 
   def range(values),
     do:
-      " (median #{Bench.Decode.f(median(values), 2)}; #{Bench.Decode.f(Enum.min(values), 2)}-" <>
+      " (median #{Bench.Decode.f(Bench.median(values), 2)}; #{Bench.Decode.f(Enum.min(values), 2)}-" <>
         "#{Bench.Decode.f(Enum.max(values), 2)}, #{length(values)} rounds)"
 
   # A side's rounds: the fastest, with every round's decode tok/s under :rounds.
@@ -172,6 +170,7 @@ if Code.ensure_loaded?(Bumblebee) do
       ^new = length(ids)
 
       %{
+        setup: setup,
         tokens: ids,
         first_call_tokens_equal: setup.first_ids == ids,
         prefill_ms: b.prefill_ms,
@@ -316,16 +315,10 @@ qwen =
 
       for port <- ports, port, do: Port.close(port)
 
-      runs =
-        case emily do
-          {pid, setup} ->
-            D.stop(pid)
-            :erlang.garbage_collect()
-            Map.update!(runs, :emily, fn rs -> Enum.map(rs, &Map.put(&1, :setup, setup)) end)
-
-          nil ->
-            runs
-        end
+      with {pid, _setup} <- emily do
+        D.stop(pid)
+        :erlang.garbage_collect()
+      end
 
       {type, Map.new(runs, fn {name, rs} -> {name, M.best_round(rs)} end)}
     end
@@ -367,7 +360,7 @@ if qwen != [] do
           "#{D.f(x[:rss_peak_mb], 0)} | " <>
           "#{D.f(x[:mlx_peak_mb], 0)} | " <>
           "#{D.ratio(r[:emily] && r[:emily][:decode_tok_s], x.decode_tok_s)} " <>
-          "(#{D.ratio(r[:emily] && M.median(r[:emily].rounds), M.median(x.rounds))}) | " <>
+          "(#{D.ratio(r[:emily] && Bench.median(r[:emily].rounds), Bench.median(x.rounds))}) | " <>
           "#{D.f(bound, 2)} tok/s (#{D.f(bytes / 1.0e9, 2)} GB/token) |"
       )
     end
