@@ -146,7 +146,13 @@ std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, cons
       shapes.push_back({m, b.shape(1)});
       types.push_back(x.dtype());
     }
-    auto part = kernel(n)(inputs, shapes, types, {tiles * 32, warps, 1}, {32, warps, 1}, args, std::nullopt, false, s);
+    // The instance: the type, the rows, each weight's tiles, the stream.
+    std::string key = "gemv " + std::to_string(static_cast<int>(x.dtype().val())) + " " + std::to_string(m) + " " +
+                      std::to_string(s.index);
+    for (int i = 0; i < n; i++) key += " " + std::to_string(bs[first + i].shape(1));
+    auto part = cached_kernel(key, inputs, shapes, types, [&] {
+      return kernel(n)(inputs, shapes, types, {tiles * 32, warps, 1}, {32, warps, 1}, args, std::nullopt, false, s);
+    });
     out.insert(out.end(), part.begin(), part.end());
   }
   return out;

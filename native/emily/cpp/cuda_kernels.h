@@ -4,6 +4,7 @@
 // (a CPU stream, Metal, other shapes) that call is MLX's.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,5 +30,13 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
 // Scores, softmax and the weighted sum in f32, the result rounded once.
 array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
                      const Stream& s);
+
+// A kernel's node for `inputs`, of the given output shapes and types: with the primitive of
+// the node `make` returned at the first call of `key`, which names everything the
+// primitive holds (the kernel's instance: its types and template arguments; the grid and
+// block; the stream) (cuda_kernel_cache.cc).
+std::vector<array> cached_kernel(const std::string& key, const std::vector<array>& inputs,
+                                 std::vector<mlx::core::Shape> shapes, std::vector<mlx::core::Dtype> types,
+                                 const std::function<std::vector<array>()>& make);
 
 }  // namespace emily
