@@ -366,6 +366,29 @@ defmodule Emily.Native.LinalgTest do
       assert Emily.to_binary(full) == IO.iodata_to_binary(alone)
     end
 
+    # Past 256K weights a matrix read by rows is split into blocks of whole rows, each
+    # block's sums added in order: blocks of 236 rows (701 = 236 + 236 + 229) and a tail of
+    # columns past the 8 lanes, in f32 and bf16.
+    test "a matrix read by rows in several blocks" do
+      k = 701
+      n = 1_100
+      x = for i <- 1..k, do: :math.sin(i * 0.3)
+      w = for i <- 1..(k * n), do: :math.cos(i * 0.0013)
+      expect = hd(mm([x], rows(w, n)))
+      xs = t(x, {:f, 32}, {1, k})
+      ws = t(w, {:f, 32}, {k, n})
+      out = N.dot(cpu(), xs, [1], [], ws, [0], [])
+      assert_close(l(out), expect, 1.0e-3)
+      assert Emily.to_binary(out) == Emily.to_binary(N.dot(cpu(), xs, [1], [], ws, [0], []))
+
+      xb = N.astype(cpu(), xs, {:bf, 16})
+      wb = N.astype(cpu(), ws, {:bf, 16})
+      expect = hd(mm([l(xb)], rows(l(wb), n)))
+      bound = Enum.max(Enum.map(expect, &abs/1)) / 256
+      out = l(N.dot(cpu(), xb, [1], [], wb, [0], []))
+      assert Enum.all?(Enum.zip(out, expect), fn {a, e} -> abs(a - e) <= bound end)
+    end
+
     # bf16 operands (on x86-64 with AVX2, Emily's kernel): sums in f32 over the bf16
     # values, rounded to bf16 once; against the oracle on the same bf16 values.
     test "bf16 operands, both layouts, a tail of 3 columns" do

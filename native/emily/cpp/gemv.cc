@@ -6,8 +6,8 @@
 // product needs: 3.4x the time of sgemv on a 1024 x 3072 f32 weight (bench/models.exs
 // measures it per decoded token). Such a product is bound by the memory's bandwidth,
 // which one core does not reach: on x86-64 with AVX2 and FMA it runs as Emily's own
-// kernel, split over the cores (cpp/pool.h) by output columns, each column summed in
-// order over the rows; elsewhere as BLAS's gemv. Only Linux takes this path (Accelerate's
+// kernel, split over the cores (cpp/pool.h) in blocks of whole rows or columns (see
+// `chunks`); elsewhere as BLAS's gemv. Only Linux takes this path (Accelerate's
 // sgemm has no such cost).
 #include "gemv.h"
 
@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <typeinfo>
 #include <vector>
 
@@ -122,31 +121,53 @@ EMILY_VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, i
   for (; j < j1; j++) cols_block<1>(x, b, ldb, y, k, j);
 }
 
-// One pass's chunk: columns [from, to) of the product with weight `w`.
+// A matrix read by rows is split into blocks of whole rows, each one stretch of memory,
+// about 256K weights (1 MB of f32); one read by columns into 512K weights of whole
+// columns (a tied LM head of 1024 rows: 512 columns). The cores claim the blocks of all
+// of a pass's weights in turn, so a core that starts late or is interrupted takes fewer.
+// Against one stretch of columns per core, 1.06x the bandwidth on two cores (Qwen3-0.6B's
+// layers in f32: 30.2 against 28.4 GB/s; its LM head with 64-column blocks 30.3 GB/s,
+// with 512 32.2).
+constexpr int64_t kRowBlock = int64_t{1} << 18;
+constexpr int64_t kColumnBlock = int64_t{1} << 19;
+
+// One block of weight `w`: rows or columns [from, to). A block of rows past a weight's
+// first sums into `partial`, an offset into the pass's scratch, added to the output in
+// the blocks' order after the pass: the sums depend on the weight's shape alone, not on
+// the cores or on which of them took a block.
 struct Chunk {
   int w, from, to;
+  int64_t partial;
 };
 
-// Splits each weight's n outputs into chunks of at least 64K weights, all of them spread
-// over the pool in one run: for a matrix read by rows, one chunk per thread (at least 512
-// columns), so each row's share is as long as can be (the prefetchers follow a long
-// stretch of a row better than many short ones: 1024 x 3072 f32 weights on two cores,
-// 28 against 16-22 GB/s with 512-column chunks); for one read by columns, whole columns.
-// Both whole cache lines of y. A small matrix is one chunk; with no helpers, each
-// weight is one.
-std::vector<Chunk> chunks(const std::vector<std::pair<int, int>>& kn, const std::vector<bool>& by_rows) {
+std::vector<Chunk> chunks(const std::vector<std::pair<int, int>>& kn, const std::vector<bool>& by_rows,
+                          int64_t& scratch) {
   std::vector<Chunk> out;
-  const int64_t parts = emily::pool::parts();
+  scratch = 0;
   for (int w = 0; w < static_cast<int>(kn.size()); w++) {
     auto [k, n] = kn[w];
-    int64_t least = by_rows[w] ? std::max<int64_t>(512, (n + parts - 1) / parts) : 64;
-    int64_t columns = std::max<int64_t>(least, ((65536 / std::max(k, 1)) + 63) / 64 * 64);
-    columns = (columns + 63) / 64 * 64;
-    if (parts == 1) columns = n;
-    for (int64_t from = 0; from < n; from += columns)
-      out.push_back({w, static_cast<int>(from), static_cast<int>(std::min<int64_t>(n, from + columns))});
+    if (by_rows[w]) {
+      int64_t count = std::max<int64_t>(1, (int64_t{k} * n + kRowBlock - 1) / kRowBlock);
+      int64_t rows = ((k + count - 1) / count + 3) / 4 * 4;
+      for (int64_t from = 0; from < k; from += rows) {
+        out.push_back({w, static_cast<int>(from), static_cast<int>(std::min<int64_t>(k, from + rows)),
+                       from == 0 ? -1 : scratch});
+        if (from > 0) scratch += n;
+      }
+    } else {
+      int64_t columns = std::max<int64_t>(64, (kColumnBlock / std::max(k, 1) + 63) / 64 * 64);
+      for (int64_t from = 0; from < n; from += columns)
+        out.push_back({w, static_cast<int>(from), static_cast<int>(std::min<int64_t>(n, from + columns)), -1});
+    }
   }
   return out;
+}
+
+// y[0, n) += p[0, n).
+EMILY_VECTOR void add_to(float* y, const float* p, int n) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(y + j, _mm256_add_ps(_mm256_loadu_ps(y + j), _mm256_loadu_ps(p + j)));
+  for (; j < n; j++) y[j] += p[j];
 }
 #endif
 
@@ -231,10 +252,9 @@ class RowGemv : public mx::Primitive {
       std::vector<int> kernel, blas;
       for (int w = 0; w < static_cast<int>(products.size()); w++)
         (products[w].layout.rows || products[w].layout.cols ? kernel : blas).push_back(w);
-      each_chunk(products, kernel, [&](int w, int j0, int j1) {
-        const Layout& l = products[w].layout;
-        (l.rows ? rows_part<float> : cols_part<float>)(xp, b(w), l.rows ? l.sk : l.sn, y(w), k, j0, j1);
-      });
+      std::vector<float*> ys;
+      for (int w : kernel) ys.push_back(y(w));
+      each_chunk<float>(xp, products, kernel, ys);
       for (int w : blas) sgemv(xp, b(w), y(w), products[w].layout);
       return;
     }
@@ -257,9 +277,11 @@ class RowGemv : public mx::Primitive {
   }
 
 #if EMILY_GEMV_KERNEL
-  // Calls `part(w, j0, j1)` over every chunk of the products `which`, in one pool run.
-  static void each_chunk(const std::vector<Product>& products, const std::vector<int>& which,
-                         const std::function<void(int, int, int)>& part) {
+  // The products `which` of x (f32, k) with weights of type W, into f32 outputs `ys` (one
+  // for each of `which`): every block of them in one pool run.
+  template <typename W>
+  static void each_chunk(const float* x, const std::vector<Product>& products, const std::vector<int>& which,
+                         const std::vector<float*>& ys) {
     if (which.empty()) return;
     std::vector<std::pair<int, int>> kn;
     std::vector<bool> by_rows;
@@ -267,8 +289,25 @@ class RowGemv : public mx::Primitive {
       kn.push_back({products[w].layout.k, products[w].layout.n});
       by_rows.push_back(products[w].layout.rows);
     }
-    auto list = chunks(kn, by_rows);
-    emily::pool::run(static_cast<int>(list.size()), [&](int c) { part(which[list[c].w], list[c].from, list[c].to); });
+    int64_t size = 0;
+    auto list = chunks(kn, by_rows, size);
+    // (The helpers write into the caller's scratch: its address, not the thread_local.)
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
+    float* partials = scratch.data();
+    emily::pool::run(static_cast<int>(list.size()), [&](int c) {
+      const Chunk& ch = list[c];
+      const Layout& l = products[which[ch.w]].layout;
+      auto b = static_cast<const W*>(products[which[ch.w]].b);
+      if (l.rows) {
+        float* out = ch.partial < 0 ? ys[ch.w] : partials + ch.partial;
+        rows_part<W>(x + ch.from, b + ch.from * l.sk, l.sk, out, ch.to - ch.from, 0, l.n);
+      } else {
+        cols_part<W>(x, b, l.sn, ys[ch.w], l.k, ch.from, ch.to);
+      }
+    });
+    for (const Chunk& ch : list)
+      if (ch.partial >= 0) add_to(ys[ch.w], partials + ch.partial, kn[ch.w].second);
   }
 
   // bf16 operands (MLX's CPU bf16 matmul, which has no BLAS, runs on one thread at a few
@@ -294,12 +333,9 @@ class RowGemv : public mx::Primitive {
         ys[w][j] = sum;
       }
     }
-    each_chunk(products, kernel, [&](int w, int j0, int j1) {
-      const Layout& l = products[w].layout;
-      auto bp = static_cast<const uint16_t*>(products[w].b);
-      (l.rows ? rows_part<uint16_t> : cols_part<uint16_t>)(xs.data(), bp, l.rows ? l.sk : l.sn, ys[w].data(), k, j0,
-                                                           j1);
-    });
+    std::vector<float*> outs;
+    for (int w : kernel) outs.push_back(ys[w].data());
+    each_chunk<uint16_t>(xs.data(), products, kernel, outs);
     for (size_t w = 0; w < products.size(); w++) {
       auto yp = static_cast<uint16_t*>(products[w].y);
       for (int j = 0; j < products[w].layout.n; j++) yp[j] = to_bf16(ys[w][j]);
