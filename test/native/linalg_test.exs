@@ -340,8 +340,7 @@ defmodule Emily.Native.LinalgTest do
       )
     end
 
-    # Past 65536 weights the product is split over the cores by output columns: sizes
-    # that are not multiples of the kernel's blocks (4 rows, 8 lanes, 64 columns).
+    # Sizes that are not multiples of the kernel's blocks (4 rows, 8 lanes, 4 columns).
     test "a matrix large enough to split over the cores, in both layouts" do
       k = 301
       n = 517
@@ -368,7 +367,8 @@ defmodule Emily.Native.LinalgTest do
 
     # Past 256K weights a matrix read by rows is split into blocks of whole rows, each
     # block's sums added in order: blocks of 236 rows (701 = 236 + 236 + 229) and a tail of
-    # columns past the 8 lanes, in f32 and bf16.
+    # columns past the 8 lanes, in f32 and bf16. Read by columns, past 512K weights, into
+    # blocks of whole columns (768 + 332).
     test "a matrix read by rows in several blocks" do
       k = 701
       n = 1_100
@@ -380,6 +380,9 @@ defmodule Emily.Native.LinalgTest do
       out = N.dot(cpu(), xs, [1], [], ws, [0], [])
       assert_close(l(out), expect, 1.0e-3)
       assert Emily.to_binary(out) == Emily.to_binary(N.dot(cpu(), xs, [1], [], ws, [0], []))
+
+      wt = t(l(N.transpose(cpu(), ws, [1, 0])), {:f, 32}, {n, k})
+      assert_close(l(N.dot(cpu(), xs, [1], [], wt, [1], [])), expect, 1.0e-3)
 
       xb = N.astype(cpu(), xs, {:bf, 16})
       wb = N.astype(cpu(), ws, {:bf, 16})
