@@ -342,12 +342,8 @@ defmodule Emily.Native.LinalgTest do
 
     # Sizes that are not multiples of the kernel's blocks (4 rows, 8 lanes, 4 columns).
     test "a matrix large enough to split over the cores, in both layouts" do
-      k = 301
-      n = 517
-      x = for i <- 1..k, do: :math.sin(i * 0.3)
-      w = for i <- 1..(k * n), do: :math.cos(i * 0.011)
-      expect = hd(mm([x], rows(w, n)))
-      xs = t(x, {:f, 32}, {1, k})
+      {k, n} = {301, 517}
+      {w, expect, xs} = row_times_matrix(k, n, 0.011)
       assert_close(l(N.dot(cpu(), xs, [1], [], t(w, {:f, 32}, {k, n}), [0], [])), expect, 1.0e-4)
 
       wt = t(l(N.transpose(cpu(), t(w, {:f, 32}, {k, n}), [1, 0])), {:f, 32}, {n, k})
@@ -370,12 +366,8 @@ defmodule Emily.Native.LinalgTest do
     # columns past the 8 lanes, in f32 and bf16. Read by columns, past 512K weights, into
     # blocks of whole columns (768 + 332).
     test "a matrix read by rows in several blocks" do
-      k = 701
-      n = 1_100
-      x = for i <- 1..k, do: :math.sin(i * 0.3)
-      w = for i <- 1..(k * n), do: :math.cos(i * 0.0013)
-      expect = hd(mm([x], rows(w, n)))
-      xs = t(x, {:f, 32}, {1, k})
+      {k, n} = {701, 1_100}
+      {w, expect, xs} = row_times_matrix(k, n, 0.0013)
       ws = t(w, {:f, 32}, {k, n})
       out = N.dot(cpu(), xs, [1], [], ws, [0], [])
       assert_close(l(out), expect, 1.0e-3)
@@ -387,9 +379,7 @@ defmodule Emily.Native.LinalgTest do
       xb = N.astype(cpu(), xs, {:bf, 16})
       wb = N.astype(cpu(), ws, {:bf, 16})
       expect = hd(mm([l(xb)], rows(l(wb), n)))
-      bound = Enum.max(Enum.map(expect, &abs/1)) / 256
-      out = l(N.dot(cpu(), xb, [1], [], wb, [0], []))
-      assert Enum.all?(Enum.zip(out, expect), fn {a, e} -> abs(a - e) <= bound end)
+      assert_bf16_sums(l(N.dot(cpu(), xb, [1], [], wb, [0], [])), expect)
     end
 
     # bf16 operands (on x86-64 with AVX2, Emily's kernel): sums in f32 over the bf16
@@ -402,16 +392,26 @@ defmodule Emily.Native.LinalgTest do
       expect = hd(mm([l(xb)], rows(l(wb), n)))
       out = N.dot(cpu(), xb, [1], [], wb, [0], [])
       assert Emily.dtype(out) == {:bf, 16}
-      # bf16 keeps 8 bits: half an ulp of the largest sum, and the f32 sums' rounding.
-      bound = Enum.max(Enum.map(expect, &abs/1)) / 256
-      assert Enum.all?(Enum.zip(l(out), expect), fn {a, e} -> abs(a - e) <= bound end)
+      assert_bf16_sums(l(out), expect)
 
       wt = N.astype(cpu(), t(l(N.transpose(cpu(), wb, [1, 0])), {:f, 32}, {n, k}), {:bf, 16})
-
-      assert l(N.dot(cpu(), xb, [1], [], wt, [1], []))
-             |> Enum.zip(expect)
-             |> Enum.all?(fn {a, e} -> abs(a - e) <= bound end)
+      assert_bf16_sums(l(N.dot(cpu(), xb, [1], [], wt, [1], [])), expect)
     end
+  end
+
+  # A row of k and a (k, n) matrix of cosines (`step` apart), as lists: the matrix, the
+  # oracle's product, and the row as an f32 tensor.
+  defp row_times_matrix(k, n, step) do
+    x = for i <- 1..k, do: :math.sin(i * 0.3)
+    w = for i <- 1..(k * n), do: :math.cos(i * step)
+    {w, hd(mm([x], rows(w, n))), t(x, {:f, 32}, {1, k})}
+  end
+
+  # bf16 sums against the oracle's on the same bf16 values: bf16 keeps 8 bits, so half an
+  # ulp of the largest sum, and the f32 sums' rounding.
+  defp assert_bf16_sums(out, expect) do
+    bound = Enum.max(Enum.map(expect, &abs/1)) / 256
+    assert Enum.all?(Enum.zip(out, expect), fn {a, e} -> abs(a - e) <= bound end)
   end
 
   # On MLX's CUDA backend a few rows times a (K, N) weight are one Emily kernel
