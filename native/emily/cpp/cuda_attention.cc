@@ -130,21 +130,14 @@ array cuda_attention(const array& q, const array& k, const array& v, float scale
   out.back() = v.shape(3);
   int blocks = q.shape(0) * q.shape(1) * q.shape(2);
   int kind = mask.dtype() == mx::bool_ ? 1 : 2;
-  std::vector<array> inputs{q, k, v, mx::broadcast_to(mask, scores, s)};
-  // The instance: the operands' and the mask's types, the scale, the blocks, the stream.
-  std::string key = "attention " + std::to_string(static_cast<int>(q.dtype().val())) + " " +
-                    std::to_string(static_cast<int>(mask.dtype().val())) + " " +
-                    std::to_string(std::bit_cast<int>(scale)) + " " + std::to_string(blocks) + " " +
-                    std::to_string(s.index);
-  return cached_kernel(key, inputs, {out}, {q.dtype()}, [&] {
-    return kernel()(inputs, {out}, {q.dtype()}, {blocks * kThreads, 1, 1}, {kThreads, 1, 1},
-                    {{"T", q.dtype()},
-                     {"MASK", kind},
-                     {"SCALE", std::bit_cast<int>(scale)},
-                     {"MAX_HEAD", kMaxHead},
-                     {"MAX_KEYS", kMaxKeys}},
-                    std::nullopt, false, s);
-  })[0];
+  return cached_kernel(kernel(), {q, k, v, mx::broadcast_to(mask, scores, s)}, {out}, {q.dtype()},
+                       {blocks * kThreads, 1, 1}, {kThreads, 1, 1},
+                       {{"T", q.dtype()},
+                        {"MASK", kind},
+                        {"SCALE", std::bit_cast<int>(scale)},
+                        {"MAX_HEAD", kMaxHead},
+                        {"MAX_KEYS", kMaxKeys}},
+                       s)[0];
 }
 
 }  // namespace emily

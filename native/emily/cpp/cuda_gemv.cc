@@ -136,7 +136,7 @@ std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, cons
     std::vector<array> inputs{x};
     std::vector<mx::Shape> shapes;
     std::vector<mx::Dtype> types;
-    std::vector<std::pair<std::string, mx::fast::TemplateArg>> args{
+    TemplateArgs args{
         {"T", x.dtype()}, {"M", m}, {"C", kColumns}, {"WARPS", warps}};
     for (int i = 0; i < n; i++) {
       const array& b = bs[first + i];
@@ -146,13 +146,7 @@ std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, cons
       shapes.push_back({m, b.shape(1)});
       types.push_back(x.dtype());
     }
-    // The instance: the type, the rows, each weight's tiles, the stream.
-    std::string key = "gemv " + std::to_string(static_cast<int>(x.dtype().val())) + " " + std::to_string(m) + " " +
-                      std::to_string(s.index);
-    for (int i = 0; i < n; i++) key += " " + std::to_string(bs[first + i].shape(1));
-    auto part = cached_kernel(key, inputs, shapes, types, [&] {
-      return kernel(n)(inputs, shapes, types, {tiles * 32, warps, 1}, {32, warps, 1}, args, std::nullopt, false, s);
-    });
+    auto part = cached_kernel(kernel(n), inputs, shapes, types, {tiles * 32, warps, 1}, {32, warps, 1}, args, s);
     out.insert(out.end(), part.begin(), part.end());
   }
   return out;

@@ -4,10 +4,11 @@
 // (a CPU stream, Metal, other shapes) that call is MLX's.
 #pragma once
 
-#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <mlx/fast.h>
 
 #include "emily.h"
 
@@ -31,12 +32,16 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
 array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
                      const Stream& s);
 
-// A kernel's node for `inputs`, of the given output shapes and types: with the primitive of
-// the node `make` returned at the first call of `key`, which names everything the
-// primitive holds (the kernel's instance: its types and template arguments; the grid and
-// block; the stream) (cuda_kernel_cache.cc).
-std::vector<array> cached_kernel(const std::string& key, const std::vector<array>& inputs,
-                                 std::vector<mlx::core::Shape> shapes, std::vector<mlx::core::Dtype> types,
-                                 const std::function<std::vector<array>()>& make);
+using TemplateArgs = std::vector<std::pair<std::string, mlx::core::fast::TemplateArg>>;
+
+// `kernel(inputs, shapes, types, grid, block, args, std::nullopt, false, s)` for a kernel
+// function from `mx::fast::cuda_kernel` that lives as long as the program, its primitive
+// made at the first call of each instance (the kernel, the inputs' and outputs' types,
+// `args`, `grid`, `block`, the stream) and reused by the later ones
+// (cuda_kernel_cache.cc).
+std::vector<array> cached_kernel(const mlx::core::fast::CustomKernelFunction& kernel,
+                                 const std::vector<array>& inputs, std::vector<mlx::core::Shape> shapes,
+                                 std::vector<mlx::core::Dtype> types, std::tuple<int, int, int> grid,
+                                 std::tuple<int, int, int> block, const TemplateArgs& args, const Stream& s);
 
 }  // namespace emily
