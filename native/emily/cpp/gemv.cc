@@ -38,6 +38,14 @@ namespace mx = mlx::core;
 #if defined(__linux__)
 namespace {
 
+// A weight's shape and strides, and whether the kernel reads it by rows or by columns
+// (RowGemv::eval_cpu).
+struct Layout {
+  int k, n;
+  int64_t sk, sn;
+  bool rows, cols;
+};
+
 #if EMILY_GEMV_KERNEL
 
 // Weights are f32 or bf16 (vector.h's loads); x and the sums are f32.
@@ -140,13 +148,12 @@ struct Chunk {
   int64_t partial;
 };
 
-std::vector<Chunk> chunks(const std::vector<std::pair<int, int>>& kn, const std::vector<bool>& by_rows,
-                          int64_t& scratch) {
+std::vector<Chunk> chunks(const std::vector<Layout>& layouts, int64_t& scratch) {
   std::vector<Chunk> out;
   scratch = 0;
-  for (int w = 0; w < static_cast<int>(kn.size()); w++) {
-    auto [k, n] = kn[w];
-    if (by_rows[w]) {
+  for (int w = 0; w < static_cast<int>(layouts.size()); w++) {
+    const int k = layouts[w].k, n = layouts[w].n;
+    if (layouts[w].rows) {
       int64_t count = std::max<int64_t>(1, (int64_t{k} * n + kRowBlock - 1) / kRowBlock);
       int64_t rows = ((k + count - 1) / count + 3) / 4 * 4;
       for (int64_t from = 0; from < k; from += rows) {
@@ -224,12 +231,6 @@ class RowGemv : public mx::Primitive {
   }
 
  private:
-  struct Layout {
-    int k, n;
-    int64_t sk, sn;
-    bool rows, cols;
-  };
-
   struct Product {
     const void* b;
     void* y;
@@ -283,21 +284,17 @@ class RowGemv : public mx::Primitive {
   static void each_chunk(const float* x, const std::vector<Product>& products, const std::vector<int>& which,
                          const std::vector<float*>& ys) {
     if (which.empty()) return;
-    std::vector<std::pair<int, int>> kn;
-    std::vector<bool> by_rows;
-    for (int w : which) {
-      kn.push_back({products[w].layout.k, products[w].layout.n});
-      by_rows.push_back(products[w].layout.rows);
-    }
+    std::vector<Layout> layouts;
+    for (int w : which) layouts.push_back(products[w].layout);
     int64_t size = 0;
-    auto list = chunks(kn, by_rows, size);
+    auto list = chunks(layouts, size);
     // (The helpers write into the caller's scratch: its address, not the thread_local.)
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < size) scratch.resize(size);
     float* partials = scratch.data();
     emily::pool::run(static_cast<int>(list.size()), [&](int c) {
       const Chunk& ch = list[c];
-      const Layout& l = products[which[ch.w]].layout;
+      const Layout& l = layouts[ch.w];
       auto b = static_cast<const W*>(products[which[ch.w]].b);
       if (l.rows) {
         float* out = ch.partial < 0 ? ys[ch.w] : partials + ch.partial;
@@ -307,7 +304,7 @@ class RowGemv : public mx::Primitive {
       }
     });
     for (const Chunk& ch : list)
-      if (ch.partial >= 0) add_to(ys[ch.w], partials + ch.partial, kn[ch.w].second);
+      if (ch.partial >= 0) add_to(ys[ch.w], partials + ch.partial, layouts[ch.w].n);
   }
 
   // bf16 operands (MLX's CPU bf16 matmul, which has no BLAS, runs on one thread at a few
