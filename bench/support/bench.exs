@@ -43,12 +43,14 @@ defmodule Bench do
         do: {k, x}
   end
 
+  # The reference runs on its own libraries: a library preloaded into Emily's VM (a BLAS
+  # under test, say) is not preloaded into Python unless `env` names one (nil unsets).
   defp python_env(env) do
     path =
       System.get_env("EMILY_PYTHONPATH") ||
         Path.join(System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily")), "current")
 
-    [{"PYTHONPATH", path} | env]
+    Map.merge(%{"LD_PRELOAD" => nil}, Map.new([{"PYTHONPATH", path} | env])) |> Enum.to_list()
   end
 
   @doc """
@@ -175,7 +177,8 @@ defmodule Bench do
         :exit_status,
         {:line, 1024},
         args: [script | args] ++ ["--serve"],
-        env: Enum.map(python_env(env), fn {k, v} -> {~c"#{k}", ~c"#{v}"} end)
+        env:
+          Enum.map(python_env(env), fn {k, v} -> {~c"#{k}", if(v, do: ~c"#{v}", else: false)} end)
       ])
 
     receive do
