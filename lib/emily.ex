@@ -48,7 +48,10 @@ defmodule Emily do
   def mlx_version, do: Native.mlx_version()
 
   @doc """
-  A tensor of `shape` and `dtype` from native-endian `binary` (one copy).
+  A tensor of `shape` and `dtype` from native-endian `binary` (one copy). A binary of 1
+  MiB or more whose shape, type and bytes equal those of an array made from a binary on
+  the same stream, which a tensor still holds, gets that array instead (the Memory guide,
+  "The same bytes loaded twice").
 
   Options: `:device` (`:cpu` or `:gpu`) or `:stream` (an `Emily.Stream`); by default the
   calling process's stream (`Emily.Stream.current/0`).

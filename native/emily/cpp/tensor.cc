@@ -3,6 +3,7 @@
 
 #include "emily.h"
 #include "kernels.h"
+#include "loads.h"
 
 namespace emily {
 namespace mx = mlx::core;
@@ -23,8 +24,6 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
                                   uint8_t dtype_val, uint8_t dtype_size) {
   mx::Shape s(shape.begin(), shape.end());
   mx::Dtype dt(static_cast<mx::Dtype::Val>(dtype_val), dtype_size);
-  // One copy in: MLX copies from a foreign pointer (it aliases only on Metal, and the
-  // binary's lifetime is the caller's), so the deleter has nothing to free.
   if (dt == mx::bool_) {
     // A bool is 0 or 1 in Emily whatever byte made it: MLX's kernels read the byte
     // (logical_not of 2 is 2, a sum adds 255).
@@ -32,7 +31,7 @@ std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<c
     for (size_t i = 0; i < data.size(); i++) bits[i] = data[i] != 0;
     return std::make_unique<array>(bits.data(), std::move(s), dt, [](void*) {});
   }
-  return std::make_unique<array>(const_cast<uint8_t*>(data.data()), std::move(s), dt, [](void*) {});
+  return std::make_unique<array>(loads::from_bytes(data, std::move(s), dt));
 }
 
 std::unique_ptr<array> clone_array(const array& a) { return std::make_unique<array>(a); }
@@ -46,6 +45,7 @@ bool evaluate_row_contiguous(std::vector<array>& arrays, const Stream& s) {
     if (!a.flags().row_contiguous) {
       a = kernels::contiguous(a, s);
       mx::eval(a);
+      loads::prune_now();
       strided = true;
     }
   }

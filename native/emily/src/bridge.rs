@@ -41,6 +41,9 @@ pub mod ffi {
         fn stream_set_default(s: &Stream) -> Result<()>;
         fn install_exit_guard() -> Result<()>;
 
+        fn loads_released();
+        fn loads_prune();
+        fn loads_clear();
         fn from_bytes(data: &[u8], shape: &[i32], dtype_val: u8, dtype_size: u8) -> Result<UniquePtr<Array>>;
         fn clone_array(a: &Array) -> UniquePtr<Array>;
         fn export_array(a: &Array, s: &Stream) -> Result<UniquePtr<Array>>;

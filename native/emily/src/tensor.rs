@@ -88,6 +88,7 @@ impl TensorResource {
         self.worker.submit_lazy(Box::new(move |st: &mut State| {
             st.arrays.remove(id);
             drop(evaluated);
+            ffi::loads_released();
         }));
         true
     }
@@ -182,7 +183,9 @@ pub fn mlx_error_message(op: &str, message: &str, inputs: &[&ffi::Array]) -> Err
     Error::Mlx { op: op.into(), message: message.to_string(), inputs: crate::error::describe(&described) }
 }
 
-/// `from_binary(stream, binary, shape, dtype)`: one copy into a new MLX array.
+/// `from_binary(stream, binary, shape, dtype)`: one copy into a new MLX array, or, for a
+/// large binary whose bytes a live tensor of the worker was loaded from, that tensor's
+/// array (see `cpp/loads.h`).
 #[rustler::nif]
 fn from_binary<'a>(
     stream: Live<StreamArg>,

@@ -463,6 +463,8 @@ fn next_job(session: &mut Session, window: Option<std::time::Instant>) -> Option
                 return Some(job);
             }
         }
+        // Out of jobs: a loaded array that a release left to the registry alone goes now.
+        ffi::loads_prune();
         session.sleeping.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         // Woken by a job that needs running, by the session's end, or spuriously.
@@ -517,6 +519,7 @@ fn run(device: Device, first: Session, next: Receiver<Session>, ready: Sender<Re
         // The session is over: every handle is gone, so nothing can name these any more.
         state = enter_busy(state);
         state.arrays.clear();
+        ffi::loads_clear();
         // Waits for the stream's last kernels, and takes any error they left behind (an
         // async_eval nobody waited for) so that the next session starts clean.
         let _ = ffi::synchronize(&state.stream);
