@@ -36,13 +36,14 @@ void stream_set_default(const Stream& s);
 // are destroyed (see worker.rs). Call it after MLX's allocator and scheduler exist.
 void install_exit_guard();
 
-// tensor.cc
-// The same large bytes loaded twice share one array (loads.h): a release notes that the
-// registry may hold an array alone, a worker out of jobs prunes it, a session's end
-// empties it.
+// loads.cc: the same large bytes loaded twice share one array (loads.h). A release notes
+// that the registry may hold an array alone, a worker out of jobs prunes it, a session's
+// end empties it.
 void loads_released();
 void loads_prune();
 void loads_clear();
+
+// tensor.cc
 std::unique_ptr<array> from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape,
                                   uint8_t dtype_val, uint8_t dtype_size);
 std::unique_ptr<array> clone_array(const array& a);

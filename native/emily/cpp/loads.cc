@@ -5,6 +5,8 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "hash.h"
+
 namespace emily::loads {
 namespace mx = mlx::core;
 
@@ -24,14 +26,15 @@ struct Registry {
 thread_local Registry registry;
 
 uint64_t sample_hash(rust::Slice<const uint8_t> data, const mx::Shape& shape, mx::Dtype dtype) {
-  auto mix = [](uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001b3ULL + (h >> 29); };
-  uint64_t h = mix(data.size(), static_cast<uint64_t>(dtype.val()));
-  for (auto d : shape) h = mix(h, static_cast<uint64_t>(d));
+  Fnv f;
+  f.mix(data.size());
+  f.mix(static_cast<uint64_t>(dtype.val()));
+  for (auto d : shape) f.mix(static_cast<uint64_t>(d));
   auto bytes = reinterpret_cast<const char*>(data.data());
   for (size_t start : {size_t{0}, (data.size() - kSample) / 2, data.size() - kSample}) {
-    h = mix(h, std::hash<std::string_view>{}(std::string_view(bytes + start, kSample)));
+    f.mix(std::hash<std::string_view>{}(std::string_view(bytes + start, kSample)));
   }
-  return h;
+  return f.h;
 }
 
 // Whether `a`, evaluated and row-contiguous, is of this shape and type and holds `data`.

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "emily/src/bridge.rs.h"
+#include "hash.h"
 #include "mlx/compile_impl.h"
 #include "mlx/scheduler.h"
 #include "index.h"
@@ -210,14 +211,13 @@ size_t stack_left() {
 }
 
 uint64_t inputs_signature(const ArrayVec& inputs) {
-  uint64_t h = 1469598103934665603ull;
-  auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  Fnv f;
   for (auto& a : inputs.items) {
-    mix(a.ndim());
-    mix(static_cast<uint64_t>(a.dtype().val()));
-    for (auto d : a.shape()) mix(static_cast<uint64_t>(d));
+    f.mix(a.ndim());
+    f.mix(static_cast<uint64_t>(a.dtype().val()));
+    for (auto d : a.shape()) f.mix(static_cast<uint64_t>(d));
   }
-  return h;
+  return f.h;
 }
 
 void hold_cpu_stream(rust::Box<HoldTask> task) {
