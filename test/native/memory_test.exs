@@ -76,12 +76,10 @@ defmodule Emily.MemoryTest do
     test "shares the array, with the same values", %{bin: bin} do
       with_cpu(fn ->
         st = s()
-        a = N.from_binary(st, bin, [1024, 1024], {:f, 32})
-        Emily.eval(a)
+        a = loaded(st, bin)
         before = settled_active()
         # A binary of its own, as a second read of the file gives.
-        b = N.from_binary(st, :binary.copy(bin), [1024, 1024], {:f, 32})
-        Emily.eval(b)
+        b = loaded(st, :binary.copy(bin))
         assert Emily.Memory.stats().active - before < @mib
         assert Emily.to_binary(b) == bin
         assert N.slice(st, b, [1023, 1022], [1024, 1024], [1, 1]) |> l() == [524_287.5, 524_288.0]
@@ -92,8 +90,7 @@ defmodule Emily.MemoryTest do
     test "copies bytes that differ away from the samples, or another shape or type", %{bin: bin} do
       with_cpu(fn ->
         st = s()
-        a = N.from_binary(st, bin, [1024, 1024], {:f, 32})
-        Emily.eval(a)
+        a = loaded(st, bin)
         # One float changed at 1 MiB into the bytes, where no sample reads.
         <<head::binary-size(@mib), _::binary-size(4), tail::binary>> = bin
         changed = <<head::binary, -1.0::float-32-native, tail::binary>>
@@ -105,8 +102,7 @@ defmodule Emily.MemoryTest do
                 {bin, [1024, 1024], {:s, 32}}
               ] do
             before = settled_active()
-            c = N.from_binary(st, bytes, shape, type)
-            Emily.eval(c)
+            c = loaded(st, bytes, shape, type)
             assert Emily.Memory.stats().active - before >= 4 * @mib - 64 * 1024
             assert Emily.to_binary(c) == bytes
             c
@@ -121,17 +117,14 @@ defmodule Emily.MemoryTest do
          %{bin: bin} do
       with_cpu(fn ->
         st = s()
-        first = spawn_holding(fn -> N.from_binary(st, bin, [1024, 1024], {:f, 32}) end)
-
-        second =
-          spawn_holding(fn -> N.from_binary(st, :binary.copy(bin), [1024, 1024], {:f, 32}) end)
+        first = spawn_holding(fn -> loaded(st, bin) end)
+        second = spawn_holding(fn -> loaded(st, :binary.copy(bin)) end)
 
         held = settled_active()
         stop(first)
         # The array is the second tensor's too: dropping the first frees nothing.
         assert settled_active() - held > -@mib
-        third = N.from_binary(st, :binary.copy(bin), [1024, 1024], {:f, 32})
-        Emily.eval(third)
+        third = loaded(st, :binary.copy(bin))
         assert Emily.Memory.stats().active - held < @mib
         stop(second)
         assert Emily.to_binary(third) == bin
@@ -140,12 +133,19 @@ defmodule Emily.MemoryTest do
     end
   end
 
+  # `bytes` as an evaluated tensor (a 1024 x 1024 f32 matrix unless told).
+  defp loaded(st, bytes, shape \\ [1024, 1024], type \\ {:f, 32}) do
+    t = N.from_binary(st, bytes, shape, type)
+    Emily.eval(t)
+    t
+  end
+
   # Active memory once the frees queued so far have landed: two reads 50 ms apart, with
   # a round trip on the stream between them, that agree to within the round trip's own
   # small tensors.
   defp settled_active(tries \\ 100) do
     a = Emily.Memory.stats().active
-    Emily.to_list(N.add(s(), t([1.0]), t([1.0])))
+    round_trip()
     Process.sleep(50)
     b = Emily.Memory.stats().active
 
@@ -455,10 +455,12 @@ defmodule Emily.MemoryTest do
         false
 
       true ->
-        # A round trip drains the default stream's queue (where drops free arrays).
-        Emily.to_list(N.add(s(), t([1.0]), t([1.0])))
+        round_trip()
         Process.sleep(20)
         eventually(fun, tries - 1)
     end
   end
+
+  # A round trip drains the default stream's queue (where drops free arrays).
+  defp round_trip, do: Emily.to_list(N.add(s(), t([1.0]), t([1.0])))
 end
