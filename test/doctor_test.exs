@@ -25,4 +25,11 @@ defmodule Emily.DoctorTest do
 
     assert out =~ "all checks passed"
   end
+
+  # A CUDA build finds NVRTC, the driver and MLX's device allocator wherever there is a
+  # GPU (cpp/cuda_launch.cc); a CPU or Metal build has no CUDA kernels.
+  test "Emily's CUDA kernels run wherever MLX has a CUDA GPU" do
+    cuda? = :gpu in Emily.devices() and :os.type() != {:unix, :darwin}
+    assert Emily.Native.cuda_kernels() == cuda?
+  end
 end

@@ -6,9 +6,9 @@ defmodule Emily.Doctor do
   It reports the MLX version and variant (cpu, cuda13, cuda12, metal), the devices MLX
   can use, the BLAS that MLX's CPU matmuls go to, the folder MLX keeps the kernels it
   compiles in (`Emily.KernelCache`) and, on CUDA, the headers MLX compiles its kernels
-  against; then runs on each device a matmul, an elementwise chain and a
-  4-bit quantized matmul, checks their values against ones computed in Elixir or by an
-  equivalent op, and reports GFLOP/s and GB/s.
+  against and whether Emily's own CUDA kernels run; then runs on each device a matmul,
+  an elementwise chain and a 4-bit quantized matmul, checks their values against ones
+  computed in Elixir or by an equivalent op, and reports GFLOP/s and GB/s.
 
   On CUDA, MLX compiles kernels at run time with NVRTC (its quantized matmuls among
   them) against the CUDA headers of the `nvidia-*` wheels beside its own
@@ -44,8 +44,10 @@ defmodule Emily.Doctor do
 
     info("BLAS for MLX's CPU matmuls: #{blas()}")
 
-    if String.starts_with?(variant, "cuda"),
-      do: info("CUDA headers for MLX's JIT: #{cuda_headers(site, variant)}")
+    if String.starts_with?(variant, "cuda") do
+      info("CUDA headers for MLX's JIT: #{cuda_headers(site, variant)}")
+      info("Emily's CUDA kernels (a decoding step's products and attention): #{cuda_kernels()}")
+    end
 
     info("MLX's compiled kernels: #{Emily.KernelCache.dir()} (private; see Emily.KernelCache)")
     info("malloc for MLX's CPU buffers: #{malloc()}")
@@ -202,6 +204,14 @@ defmodule Emily.Doctor do
     else
       _ -> "unknown"
     end
+  end
+
+  # Compiled in where Emily was built against MLX's CUDA build with CUDA's headers; they
+  # run where the GPU, NVRTC and MLX's device allocator are found.
+  defp cuda_kernels do
+    if N.cuda_kernels(),
+      do: "available",
+      else: "not available (MLX's own ops compute the same, with more host work a step)"
   end
 
   # The folder MLX 0.32 gives NVRTC for the CUDA runtime headers: the `nvidia-*` wheels'

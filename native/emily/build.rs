@@ -33,6 +33,41 @@ fn mlx_dir() -> PathBuf {
     dir
 }
 
+/// The folders of the CUDA headers (cuda.h, cuda_runtime.h, nvrtc.h) for a CUDA build of
+/// MLX: the `nvidia-*` wheels `scripts/setup cuda13` or `cuda12` installs beside it (one
+/// folder for CUDA 13, one per wheel for CUDA 12), or `$CUDA_HOME`'s; none for MLX's CPU
+/// and Metal builds (no `mlx_cuda_*` wheel there).
+fn cuda_includes(mlx: &Path) -> Option<Vec<PathBuf>> {
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    let cuda_wheel = fs::read_dir(mlx).ok()?.flatten().any(|e| {
+        let name = e.file_name().to_string_lossy().to_string();
+        name.starts_with("mlx_cuda_") && name.ends_with(".dist-info")
+    });
+    if !cuda_wheel {
+        return None;
+    }
+    let nvidia = mlx.join("nvidia");
+    let mut layouts = vec![
+        vec![nvidia.join("cu13/include")],
+        vec![nvidia.join("cuda_runtime/include"), nvidia.join("cuda_nvrtc/include")],
+    ];
+    if let Some(home) = env::var_os("CUDA_HOME") {
+        layouts.push(vec![PathBuf::from(home).join("include")]);
+    }
+    let has = |dirs: &Vec<PathBuf>, header: &str| dirs.iter().any(|d| d.join(header).exists());
+    let found = layouts.into_iter().find(|dirs| has(dirs, "cuda.h") && has(dirs, "nvrtc.h"));
+    // MLX's CUDA backend headers include fmt's (header-only here): Debian's libfmt-dev.
+    let fmt =
+        ["/usr/include", "/usr/local/include"].iter().any(|d| Path::new(d).join("fmt/format.h").exists());
+    if found.is_none() || !fmt {
+        println!(
+            "cargo:warning=no CUDA headers (cuda.h, nvrtc.h) or fmt headers beside MLX's CUDA build: Emily's CUDA kernels are left out"
+        );
+        return None;
+    }
+    found
+}
+
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
@@ -103,7 +138,12 @@ fn main() {
             cpp_files.push(p);
         }
     }
-    cxx_build::bridge("src/bridge.rs")
+    let mut bridge = cxx_build::bridge("src/bridge.rs");
+    if let Some(dirs) = cuda_includes(&mlx) {
+        // cpp/cuda_launch.cc compiles Emily's kernels and launches them itself.
+        bridge.includes(dirs).define("EMILY_CUDA_LAUNCH", "1").define("FMT_HEADER_ONLY", "1");
+    }
+    bridge
         .files(&cpp_files)
         .include(&cpp_dir)
         .include(mlx.join("mlx/include"))

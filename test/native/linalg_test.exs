@@ -460,6 +460,15 @@ defmodule Emily.Native.LinalgTest do
         {ok, err} = within(out, expect, kernel)
         assert ok, "#{inspect(type)}, #{m} rows, (K, N) weight: #{inspect(err)}"
 
+        # The kernel reads x where it lies: a transposed view gives the same bits.
+        if m <= 8 do
+          xt = N.transpose(gpu, g(l(N.transpose(gpu, x, [1, 0])), type, {k, m}, gpu), [1, 0])
+          strided = N.dot(gpu, xt, [1], [], w, [0], [])
+
+          assert Emily.to_binary(strided) == Emily.to_binary(out),
+                 "#{inspect({type, m})}, x strided"
+        end
+
         # MLX's gemv for one row, its matmul for more.
         wt = g(l(N.transpose(gpu, w, [1, 0])), type, {n, k}, gpu)
         mlx = if m == 1, do: type, else: matmul(type)

@@ -10,11 +10,12 @@
 #include "cuda_kernels.h"
 
 #include <mlx/backend/cuda/cuda.h>
-#include <mlx/fast.h>
 
 #include <algorithm>
 #include <string>
 #include <vector>
+
+#include "cuda_launch.h"
 
 namespace emily {
 namespace mx = mlx::core;
@@ -25,12 +26,12 @@ namespace {
 // (warp w reads weight rows w, w + WARPS, ...), each lane C adjacent columns, so a warp
 // reads 32 * C contiguous elements of a row. The warps' f32 partial sums meet in shared
 // memory; one rounding to T at the end. Several weights of one x are one kernel: block b
-// computes tile b of the first weight's tiles, then of the second's, and so on (the
-// kernel's `TILES<i>`: the tiles before weight i + 1), each column as alone.
-constexpr const char* kHeader = R"(
+// computes tile b of the first weight's tiles, then of the second's, and so on (`TILES`:
+// the tiles up to each weight's), each column as alone.
+constexpr const char* kTile = R"(
 template <typename T, int M, int C, int WARPS>
-__device__ void emily_gemv_tile(const T* x, const T* wt, T* out, int K, int N, int tile,
-                                float (*red)[32 * C]) {
+__device__ void emily_gemv_tile(const T* x, long long xs0, long long xs1, const T* wt, T* out, int K, int N,
+                                int tile, float (*red)[32 * C]) {
   constexpr int TILE = 32 * C;
   const int lane = threadIdx.x, w = threadIdx.y;
   const int col0 = tile * TILE + lane * C;
@@ -46,10 +47,10 @@ __device__ void emily_gemv_tile(const T* x, const T* wt, T* out, int K, int N, i
     for (int k = w; k < K; k += WARPS, p += step) {
       float wv[C];
 #pragma unroll
-      for (int c = 0; c < C; ++c) wv[c] = (float)p[c];
+      for (int c = 0; c < C; ++c) wv[c] = to_float(p[c]);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const float xv = (float)x[m * K + k];
+        const float xv = to_float(x[m * xs0 + k * xs1]);
 #pragma unroll
         for (int c = 0; c < C; ++c) acc[m][c] += xv * wv[c];
       }
@@ -58,7 +59,7 @@ __device__ void emily_gemv_tile(const T* x, const T* wt, T* out, int K, int N, i
     for (int k = w; k < K; k += WARPS)
       for (int c = 0; c < C && col0 + c < N; ++c)
         for (int m = 0; m < M; ++m)
-          acc[m][c] += (float)x[m * K + k] * (float)wt[(size_t)k * N + col0 + c];
+          acc[m][c] += to_float(x[m * xs0 + k * xs1]) * to_float(wt[(size_t)k * N + col0 + c]);
   }
   for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -69,7 +70,7 @@ __device__ void emily_gemv_tile(const T* x, const T* wt, T* out, int K, int N, i
 #pragma unroll
       for (int q = 0; q < WARPS; ++q) s += red[q][j];
       const int n = tile * TILE + j;
-      if (n < N) out[(size_t)m * N + n] = (T)s;
+      if (n < N) out[(size_t)m * N + n] = from_float<T>(s);
     }
     __syncthreads();
   }
@@ -77,37 +78,46 @@ __device__ void emily_gemv_tile(const T* x, const T* wt, T* out, int K, int N, i
 )";
 
 constexpr int kColumns = 1;  // C: a warp reads 32 contiguous elements of a row
+constexpr int kWarps = 32;
 constexpr int kMaxRows = 8;
 constexpr int kMaxWeights = 3;
 
-// The kernel of `n` weights (inputs x, w0, w1, ...; outputs out0, out1, ...).
-std::string source(int n) {
-  std::string src = "  __shared__ float red[WARPS][32 * C];\n  const int b = blockIdx.x;\n";
+// The kernel of x (m rows of type t) times weights of `tiles` (each weight's tiles, in
+// order): parameters x, w0, w1, ..., out0, out1, ..., x's strides (x is read where it
+// lies), then each weight's K and N.
+cuda::Kernel gemv_kernel(mx::Dtype t, int m, const std::vector<int>& tiles) {
+  int n = static_cast<int>(tiles.size()), total = 0;
+  std::string src = cuda::kTypes;
+  src += "using T = " + std::string(cuda::type_name(t)) + ";\nconstexpr int M = " + std::to_string(m) +
+         ", C = " + std::to_string(kColumns) + ", WARPS = " + std::to_string(kWarps) + ";\n";
+  src += kTile;
+  std::string sig, body;
+  std::vector<cuda::Param> params{{cuda::Param::Input, 0}};
+  for (int i = 0; i < n; i++) {
+    sig += ", const T* w" + std::to_string(i);
+    params.push_back({cuda::Param::Input, i + 1});
+  }
+  for (int i = 0; i < n; i++) {
+    sig += ", T* out" + std::to_string(i);
+    params.push_back({cuda::Param::Output, i});
+  }
+  sig += ", long long xs0, long long xs1";
+  params.push_back({cuda::Param::Stride, 0, 0});
+  params.push_back({cuda::Param::Stride, 0, 1});
   for (int i = 0; i < n; i++) {
     auto w = std::to_string(i);
-    std::string before = i == 0 ? "0" : "TILES" + std::to_string(i - 1);
-    src += "  " + std::string(i ? "else " : "") + (i == n - 1 ? "" : "if (b < TILES" + w + ") ") +
-           "emily_gemv_tile<T, M, C, WARPS>(x, w" + w + ", out" + w + ", w" + w + "_shape[0], w" + w + "_shape[1], b - " +
-           before + ", red);\n";
+    sig += ", int K" + w + ", int N" + w;
+    params.push_back({cuda::Param::Dim, i + 1, 0});
+    params.push_back({cuda::Param::Dim, i + 1, 1});
+    int before = total;
+    total += tiles[i];
+    body += "  " + std::string(i ? "else " : "") + (i == n - 1 ? "" : "if (b < " + std::to_string(total) + ") ") +
+            "emily_gemv_tile<T, M, C, WARPS>(x, xs0, xs1, w" + w + ", out" + w + ", K" + w + ", N" + w + ", b - " +
+            std::to_string(before) + ", red);\n";
   }
-  return src;
-}
-
-const mx::fast::CustomKernelFunction& kernel(int n) {
-  static const auto kernels = [] {
-    std::vector<mx::fast::CustomKernelFunction> ks;
-    for (int n = 1; n <= kMaxWeights; n++) {
-      std::vector<std::string> inputs{"x"}, outputs;
-      for (int i = 0; i < n; i++) {
-        inputs.push_back("w" + std::to_string(i));
-        outputs.push_back("out" + std::to_string(i));
-      }
-      auto name = n == 1 ? std::string("emily_gemv_kn") : "emily_gemv_kn" + std::to_string(n);
-      ks.push_back(mx::fast::cuda_kernel(name, inputs, outputs, source(n), kHeader));
-    }
-    return ks;
-  }();
-  return kernels[n - 1];
+  src += "extern \"C\" __global__ void emily_gemv(const T* x" + sig + ") {\n" +
+         "  __shared__ float red[WARPS][32 * C];\n  const int b = blockIdx.x;\n" + body + "}\n";
+  return {"emily_gemv", std::move(src), std::move(params), {static_cast<unsigned>(total), 1, 1}, {32, kWarps, 1}};
 }
 
 bool supported(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
@@ -116,7 +126,7 @@ bool supported(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t 
 
 bool cuda_gemv_applies(const array& x, const array& b, const Stream& s) {
   static const bool cuda = mx::cu::is_available();
-  if (!cuda || s.device != mx::Device::gpu) return false;
+  if (!cuda || s.device != mx::Device::gpu || !cuda::available()) return false;
   if (x.ndim() != 2 || b.ndim() != 2 || x.shape(1) != b.shape(0)) return false;
   int m = x.shape(0), k = x.shape(1), n = b.shape(1);
   if (m < 1 || m > kMaxRows || k < 1 || n < 1) return false;
@@ -132,21 +142,22 @@ std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, cons
   std::vector<array> out;
   for (size_t first = 0; first < bs.size(); first += kMaxWeights) {
     int n = static_cast<int>(std::min<size_t>(kMaxWeights, bs.size() - first));
-    int m = x.shape(0), warps = 32, tiles = 0;
+    int m = x.shape(0);
     std::vector<array> inputs{x};
     std::vector<mx::Shape> shapes;
     std::vector<mx::Dtype> types;
-    TemplateArgs args{
-        {"T", x.dtype()}, {"M", m}, {"C", kColumns}, {"WARPS", warps}};
+    std::vector<int> tiles;
+    std::string key = "gemv " + std::to_string(static_cast<int>(x.dtype().val())) + " " + std::to_string(m);
     for (int i = 0; i < n; i++) {
       const array& b = bs[first + i];
-      tiles += (b.shape(1) + 32 * kColumns - 1) / (32 * kColumns);
-      if (i < n - 1) args.push_back({"TILES" + std::to_string(i), tiles});
+      tiles.push_back((b.shape(1) + 32 * kColumns - 1) / (32 * kColumns));
+      key += " " + std::to_string(tiles.back());
       inputs.push_back(b);
       shapes.push_back({m, b.shape(1)});
       types.push_back(x.dtype());
     }
-    auto part = cached_kernel(kernel(n), inputs, shapes, types, {tiles * 32, warps, 1}, {32, warps, 1}, args, s);
+    auto& kernel = cuda::instance(key, [&] { return gemv_kernel(x.dtype(), m, tiles); });
+    auto part = cuda::launch(kernel, inputs, shapes, types, s);
     out.insert(out.end(), part.begin(), part.end());
   }
   return out;

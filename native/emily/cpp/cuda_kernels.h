@@ -1,14 +1,12 @@
-// Emily's kernels on MLX's CUDA backend, through MLX's custom-kernel path: each is one
-// kernel node, compiled by NVRTC at its first use and cached by MLX. Each `*_applies`
-// says whether its kernel computes what the MLX call it stands for computes; elsewhere
-// (a CPU stream, Metal, other shapes) that call is MLX's.
+// Emily's kernels on MLX's CUDA backend: each is one kernel node, compiled by NVRTC at
+// its first use and launched by Emily's own primitive (cuda_launch.h). Each `*_applies`
+// says whether its kernel computes what the MLX call it stands for computes and can run
+// here; elsewhere (a CPU stream, Metal, other shapes) that call is MLX's.
 #pragma once
 
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <mlx/fast.h>
 
 #include "emily.h"
 
@@ -31,17 +29,5 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
 // Scores, softmax and the weighted sum in f32, the result rounded once.
 array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
                      const Stream& s);
-
-using TemplateArgs = std::vector<std::pair<std::string, mlx::core::fast::TemplateArg>>;
-
-// `kernel(inputs, shapes, types, grid, block, args, std::nullopt, false, s)` for a kernel
-// function from `mx::fast::cuda_kernel` that lives as long as the program, its primitive
-// made at the first call of each instance (the kernel, the inputs' and outputs' types,
-// `args`, `grid`, `block`, the stream) and reused by the later ones
-// (cuda_kernel_cache.cc).
-std::vector<array> cached_kernel(const mlx::core::fast::CustomKernelFunction& kernel,
-                                 const std::vector<array>& inputs, std::vector<mlx::core::Shape> shapes,
-                                 std::vector<mlx::core::Dtype> types, std::tuple<int, int, int> grid,
-                                 std::tuple<int, int, int> block, const TemplateArgs& args, const Stream& s);
 
 }  // namespace emily

@@ -36,6 +36,9 @@ void stream_set_default(const Stream& s);
 // are destroyed (see worker.rs). Call it after MLX's allocator and scheduler exist.
 void install_exit_guard();
 
+// cuda_launch.cc: whether Emily's own CUDA kernels run here (cuda_launch.h).
+bool cuda_kernels_available();
+
 // loads.cc: the same large bytes loaded twice share one array (loads.h). A release notes
 // that the registry may hold an array alone, a worker out of jobs prunes it, a session's
 // end empties it.

@@ -35,6 +35,7 @@ pub mod ffi {
         fn array_vec_take(v: Pin<&mut ArrayVec>, i: usize) -> Result<UniquePtr<Array>>;
 
         fn mlx_version() -> String;
+        fn cuda_kernels_available() -> bool;
         fn device_available(device: i32) -> Result<bool>;
         fn stream_new(device: i32) -> Result<UniquePtr<Stream>>;
         fn synchronize(s: &Stream) -> Result<()>;

@@ -133,6 +133,14 @@ fn mlx_version() -> String {
     crate::bridge::ffi::mlx_version()
 }
 
+/// `cuda_kernels()`: whether Emily's own CUDA kernels (a decoding step's products and
+/// attention) run here: a CUDA build with a GPU, NVRTC and MLX's device allocator found.
+/// Elsewhere MLX's own ops compute the same.
+#[rustler::nif]
+fn cuda_kernels() -> bool {
+    crate::bridge::ffi::cuda_kernels_available()
+}
+
 /// `stream_set_spin(microseconds)`: how long an idle worker thread polls its queue before
 /// it sleeps, for every stream (see `Emily.Stream.set_spin/1`). Returns the previous value.
 #[rustler::nif]

@@ -1,0 +1,361 @@
+// Emily's kernel primitive on MLX's CUDA backend (cuda_launch.h).
+//
+// Three things come from outside Emily's own code, each found once:
+// - NVRTC and the CUDA driver: libmlx links both (libnvrtc.so.13 or .12, libcuda.so.1), so
+//   they are already loaded; their functions are looked up in them, and Emily links
+//   neither.
+// - MLX's command encoder (`cu::get_command_encoder`, `add_kernel_node_raw`, the input
+//   and output tracking), which libmlx exports.
+// - MLX's device allocator, `cu::malloc_async`: a stream-ordered allocation from the
+//   device's memory pool and MLX's buffer cache, what every CUDA primitive of MLX's
+//   allocates its outputs with. MLX declares it in its headers but does not export it, and
+//   its exported `allocator::malloc` gives managed memory, moving a device buffer it
+//   reuses from the cache into managed memory with a synchronous copy. libmlx ships with
+//   its full symbol table, where the function is found by its mangled name; where it is
+//   not (another build of libmlx), `available()` is false and the callers leave the work
+//   to MLX's own ops.
+#include "cuda_launch.h"
+
+#include <stdexcept>
+
+#if EMILY_CUDA_LAUNCH
+
+#include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <nvrtc.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include <mlx/backend/cuda/allocator.h>
+#include <mlx/backend/cuda/cuda.h>
+#include <mlx/backend/cuda/device.h>
+#include <mlx/backend/cuda/utils.h>
+#include <mlx/primitives.h>
+
+#endif
+
+namespace emily::cuda {
+
+namespace mx = mlx::core;
+
+const char* const kTypes = R"(
+struct bf16_t { unsigned short bits; };
+struct f16_t { unsigned short bits; };
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(bf16_t v) { return __uint_as_float((unsigned)v.bits << 16); }
+__device__ __forceinline__ float to_float(f16_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float v) {
+  bf16_t r;
+#if __CUDA_ARCH__ >= 800
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+#else
+  const unsigned u = __float_as_uint(v);
+  r.bits = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fff : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+#endif
+  return r;
+}
+template <> __device__ __forceinline__ f16_t from_float<f16_t>(float v) {
+  f16_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+  return r;
+}
+)";
+
+const char* type_name(mx::Dtype t) {
+  switch (t.val()) {
+    case mx::Dtype::Val::float32:
+      return "float";
+    case mx::Dtype::Val::bfloat16:
+      return "bf16_t";
+    case mx::Dtype::Val::float16:
+      return "f16_t";
+    case mx::Dtype::Val::bool_:
+      return "bool";
+    default:
+      throw std::invalid_argument("[cuda kernel] no storage type for this dtype");
+  }
+}
+
+#if EMILY_CUDA_LAUNCH
+
+namespace {
+
+using MallocAsync = decltype(&mx::cu::malloc_async);
+
+// The address of a function of libmlx's that its dynamic symbol table leaves out, from
+// the full table in libmlx's file; null where there is none or the name is not in it.
+void* hidden_function(const char* mangled) {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(&mx::cu::get_command_encoder), &info) || !info.dli_fname) return nullptr;
+  void* handle = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!handle) return nullptr;
+  link_map* map = nullptr;
+  int got = dlinfo(handle, RTLD_DI_LINKMAP, &map);
+  dlclose(handle);
+  if (got != 0 || !map) return nullptr;
+
+  int fd = open(info.dli_fname, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  struct stat st;
+  void* file = fstat(fd, &st) == 0 ? mmap(nullptr, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+  close(fd);
+  if (file == MAP_FAILED) return nullptr;
+  std::unique_ptr<void, std::function<void(void*)>> unmap(file, [&](void* p) { munmap(p, st.st_size); });
+
+  auto* bytes = static_cast<const unsigned char*>(file);
+  auto size = static_cast<size_t>(st.st_size);
+  auto* eh = reinterpret_cast<const Elf64_Ehdr*>(bytes);
+  if (size < sizeof(Elf64_Ehdr) || std::memcmp(eh->e_ident, ELFMAG, SELFMAG) != 0 ||
+      eh->e_ident[EI_CLASS] != ELFCLASS64 || eh->e_shentsize != sizeof(Elf64_Shdr) ||
+      eh->e_shoff + size_t{eh->e_shnum} * sizeof(Elf64_Shdr) > size)
+    return nullptr;
+  auto* sections = reinterpret_cast<const Elf64_Shdr*>(bytes + eh->e_shoff);
+  for (int i = 0; i < eh->e_shnum; i++) {
+    const Elf64_Shdr& symtab = sections[i];
+    if (symtab.sh_type != SHT_SYMTAB || symtab.sh_link >= eh->e_shnum) continue;
+    const Elf64_Shdr& strtab = sections[symtab.sh_link];
+    if (symtab.sh_offset + symtab.sh_size > size || strtab.sh_offset + strtab.sh_size > size) return nullptr;
+    auto* syms = reinterpret_cast<const Elf64_Sym*>(bytes + symtab.sh_offset);
+    auto* names = reinterpret_cast<const char*>(bytes + strtab.sh_offset);
+    size_t n = symtab.sh_size / sizeof(Elf64_Sym);
+    size_t len = std::strlen(mangled);
+    for (size_t j = 0; j < n; j++) {
+      const Elf64_Sym& sym = syms[j];
+      if (ELF64_ST_TYPE(sym.st_info) != STT_FUNC || sym.st_shndx == SHN_UNDEF || sym.st_name + len >= strtab.sh_size)
+        continue;
+      if (std::memcmp(names + sym.st_name, mangled, len + 1) != 0) continue;
+      void* address = reinterpret_cast<void*>(map->l_addr + sym.st_value);
+      // It must lie in the very library whose file was read.
+      Dl_info where;
+      if (!dladdr(address, &where) || where.dli_fbase != info.dli_fbase) return nullptr;
+      return address;
+    }
+  }
+  return nullptr;
+}
+
+void* loaded(std::initializer_list<const char*> sonames) {
+  for (const char* name : sonames)
+    if (void* handle = dlopen(name, RTLD_LAZY | RTLD_NOLOAD)) return handle;
+  return nullptr;
+}
+
+// The functions found once; `ok` when all of them were.
+struct Api {
+  MallocAsync malloc_async = nullptr;
+  decltype(&nvrtcGetNumSupportedArchs) num_archs = nullptr;
+  decltype(&nvrtcGetSupportedArchs) archs = nullptr;
+  decltype(&nvrtcCreateProgram) create = nullptr;
+  decltype(&nvrtcCompileProgram) compile = nullptr;
+  decltype(&nvrtcGetProgramLogSize) log_size = nullptr;
+  decltype(&nvrtcGetProgramLog) log = nullptr;
+  decltype(&nvrtcGetCUBINSize) cubin_size = nullptr;
+  decltype(&nvrtcGetCUBIN) cubin = nullptr;
+  decltype(&nvrtcGetPTXSize) ptx_size = nullptr;
+  decltype(&nvrtcGetPTX) ptx = nullptr;
+  decltype(&nvrtcDestroyProgram) destroy = nullptr;
+  decltype(&cuModuleLoadData) load = nullptr;
+  decltype(&cuModuleGetFunction) function = nullptr;
+  bool ok = false;
+};
+
+const Api& api() {
+  static const Api found = [] {
+    Api a;
+    if (!mx::cu::is_available()) return a;
+    void* nvrtc = loaded({"libnvrtc.so.13", "libnvrtc.so.12"});
+    void* driver = loaded({"libcuda.so.1"});
+    if (!nvrtc || !driver) return a;
+    auto get = [](void* lib, auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      return fn != nullptr;
+    };
+    a.malloc_async = reinterpret_cast<MallocAsync>(hidden_function("_ZN3mlx4core2cu12malloc_asyncEmRNS1_14CommandEncoderE"));
+    a.ok = a.malloc_async && get(nvrtc, a.num_archs, "nvrtcGetNumSupportedArchs") &&
+           get(nvrtc, a.archs, "nvrtcGetSupportedArchs") && get(nvrtc, a.create, "nvrtcCreateProgram") &&
+           get(nvrtc, a.compile, "nvrtcCompileProgram") && get(nvrtc, a.log_size, "nvrtcGetProgramLogSize") &&
+           get(nvrtc, a.log, "nvrtcGetProgramLog") && get(nvrtc, a.cubin_size, "nvrtcGetCUBINSize") &&
+           get(nvrtc, a.cubin, "nvrtcGetCUBIN") && get(nvrtc, a.ptx_size, "nvrtcGetPTXSize") &&
+           get(nvrtc, a.ptx, "nvrtcGetPTX") && get(nvrtc, a.destroy, "nvrtcDestroyProgram") &&
+           get(driver, a.load, "cuModuleLoadData") && get(driver, a.function, "cuModuleGetFunction");
+    return a;
+  }();
+  return found;
+}
+
+void check(nvrtcResult r, const char* what) {
+  if (r != NVRTC_SUCCESS) throw std::runtime_error(std::string("[cuda kernel] ") + what + " failed (NVRTC error " + std::to_string(r) + ")");
+}
+
+void check(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) throw std::runtime_error(std::string("[cuda kernel] ") + what + " failed (CUDA error " + std::to_string(r) + ")");
+}
+
+// `source` compiled for `device`: SASS where NVRTC knows the device's architecture, else
+// PTX for the driver to finish.
+CUfunction compile(const Kernel& k, mx::cu::Device& device) {
+  const Api& a = api();
+  int cc = device.compute_capability_major() * 10 + device.compute_capability_minor();
+  int n = 0;
+  check(a.num_archs(&n), "nvrtcGetNumSupportedArchs");
+  std::vector<int> archs(n);
+  check(a.archs(archs.data()), "nvrtcGetSupportedArchs");
+  bool sass = std::find(archs.begin(), archs.end(), cc) != archs.end();
+  std::string arch = std::string("--gpu-architecture=") + (sass ? "sm_" : "compute_") + std::to_string(cc);
+
+  nvrtcProgram prog;
+  check(a.create(&prog, k.source.c_str(), (k.entry + ".cu").c_str(), 0, nullptr, nullptr), "nvrtcCreateProgram");
+  std::unique_ptr<nvrtcProgram, void (*)(nvrtcProgram*)> destroy(&prog, [](nvrtcProgram* p) { api().destroy(p); });
+  const char* options[] = {arch.c_str(), "--std=c++17"};
+  if (a.compile(prog, 2, options) != NVRTC_SUCCESS) {
+    size_t size = 0;
+    a.log_size(prog, &size);
+    std::string log(size, '\0');
+    a.log(prog, log.data());
+    throw std::runtime_error("[cuda kernel] " + k.entry + " does not compile: " + log);
+  }
+  size_t size = 0;
+  check(sass ? a.cubin_size(prog, &size) : a.ptx_size(prog, &size), sass ? "nvrtcGetCUBINSize" : "nvrtcGetPTXSize");
+  std::string image(size, '\0');
+  check(sass ? a.cubin(prog, image.data()) : a.ptx(prog, image.data()), sass ? "nvrtcGetCUBIN" : "nvrtcGetPTX");
+
+  device.make_current();
+  CUmodule module;
+  check(a.load(&module, image.data()), "cuModuleLoadData");
+  CUfunction fn;
+  check(a.function(&fn, module, k.entry.c_str()), "cuModuleGetFunction");
+  return fn;  // the module lives as long as the program, as MLX's kernel modules do
+}
+
+}  // namespace
+
+struct Instance {
+  Kernel kernel;
+  std::once_flag compiled;
+  CUfunction function = nullptr;
+};
+
+namespace {
+
+class Launch : public mx::Primitive {
+ public:
+  Launch(mx::Stream s, Instance& k) : mx::Primitive(s), k_(k) {}
+
+  void eval_cpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("[cuda kernel] " + k_.kernel.entry + " runs on a GPU stream only");
+  }
+
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    std::call_once(k_.compiled, [&] { k_.function = compile(k_.kernel, encoder.device()); });
+    const Api& a = api();
+    for (auto& out : outputs) out.set_data(a.malloc_async(out.nbytes(), encoder));
+
+    // Each parameter's value in a slot of its own, as the node reads it: pointers and
+    // long longs fill a slot, ints its first four bytes.
+    const auto& params = k_.kernel.params;
+    std::vector<int64_t> slots(params.size());
+    std::vector<void*> pointers(params.size());
+    for (size_t i = 0; i < params.size(); i++) {
+      const Param& p = params[i];
+      void* slot = &slots[i];
+      switch (p.kind) {
+        case Param::Input:
+          *static_cast<const void**>(slot) = mx::gpu_ptr<void>(inputs[p.index]);
+          break;
+        case Param::Output:
+          *static_cast<void**>(slot) = mx::gpu_ptr<void>(outputs[p.index]);
+          break;
+        case Param::Dim:
+          *static_cast<int32_t*>(slot) = inputs[p.index].shape(p.axis);
+          break;
+        case Param::Stride:
+          *static_cast<int64_t*>(slot) = inputs[p.index].strides(p.axis);
+          break;
+        case Param::Int:
+          *static_cast<int32_t*>(slot) = p.value;
+          break;
+      }
+      pointers[i] = slot;
+    }
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    for (const auto& out : outputs) encoder.set_output_array(out);
+    const auto& [gx, gy, gz] = k_.kernel.grid;
+    const auto& [bx, by, bz] = k_.kernel.block;
+    encoder.add_kernel_node_raw(k_.function, dim3(gx, gy, gz), dim3(bx, by, bz), dim3(1, 1, 1), 0, pointers.data());
+  }
+
+  const char* name() const override { return k_.kernel.entry.c_str(); }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const Launch*>(&other);
+    return o && &o->k_ == &k_;
+  }
+
+ private:
+  Instance& k_;
+};
+
+}  // namespace
+
+bool available() { return api().ok; }
+
+Instance& instance(const std::string& key, const std::function<Kernel()>& make) {
+  static std::mutex mutex;
+  // Leaked on purpose, as MLX's own kernel caches: nodes still alive at exit point here.
+  static auto* made = new std::unordered_map<std::string, std::unique_ptr<Instance>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = (*made)[key];
+  if (!slot) {
+    slot = std::make_unique<Instance>();
+    slot->kernel = make();
+  }
+  return *slot;
+}
+
+std::vector<array> launch(Instance& kernel, const std::vector<array>& inputs, std::vector<mx::Shape> shapes,
+                          std::vector<mx::Dtype> types, const Stream& s) {
+  if (!available()) throw std::runtime_error("[cuda kernel] Emily's CUDA kernels are not available here");
+  auto primitive = std::make_shared<Launch>(s, kernel);
+  return array::make_arrays(std::move(shapes), types, std::move(primitive), inputs);
+}
+
+#else
+
+struct Instance {};
+
+bool available() { return false; }
+
+Instance& instance(const std::string&, const std::function<Kernel()>&) {
+  throw std::runtime_error("[cuda kernel] this build of Emily has no CUDA kernels");
+}
+
+std::vector<array> launch(Instance&, const std::vector<array>&, std::vector<mx::Shape>, std::vector<mx::Dtype>,
+                          const Stream&) {
+  throw std::runtime_error("[cuda kernel] this build of Emily has no CUDA kernels");
+}
+
+#endif
+
+}  // namespace emily::cuda
+
+namespace emily {
+
+bool cuda_kernels_available() { return cuda::available(); }
+
+}  // namespace emily
