@@ -406,10 +406,11 @@ defmodule Emily.Native.FastTest do
     end
 
     # bf16 operands of a decoding step (Emily's kernel on an x86-64 CPU, and on a CUDA
-    # GPU with an array mask): against the f32 reference on the same rounded values,
-    # within bf16's rounding of the result; the causal mask, a bool and a bf16 additive
-    # mask, grouped-query heads, a cache read transposed.
-    test "bf16 decoding steps against the f32 reference" do
+    # GPU with an array mask), and of a prompt on a CPU (on x86-64, Emily's prompt kernel
+    # on the operands widened to f32): against the f32 reference on the same rounded
+    # values, within bf16's rounding of the result; the causal mask, a bool and a bf16
+    # additive mask, grouped-query heads, a cache read transposed.
+    test "bf16 decoding steps and prompts against the f32 reference" do
       {b, hq, hk, lk, d} = {1, 4, 2, 37, 64}
       bf = fn list, shape -> t(list, {:bf, 16}, shape) end
       f32 = fn x -> N.astype(s(), x, {:f, 32}) end
@@ -432,7 +433,7 @@ defmodule Emily.Native.FastTest do
 
       keep = for j <- 0..(lk - 1), do: rem(j, 5) != 2
 
-      for lq <- [1, 8] do
+      for lq <- [1, 8, 9, 37], stream = if(lq > 8, do: cpu(), else: s()) do
         q = bf.(seq(b * hq * lq * d, &:math.cos(&1 * 1.3)), {b, hq, lq, d})
         causal = for i <- 0..(lq - 1), j <- 0..(lk - 1), do: j <= i + (lk - lq)
         bool = t(keep, :bool, {1, 1, 1, lk})
@@ -443,7 +444,7 @@ defmodule Emily.Native.FastTest do
               {"array", bool, {:bool, bool}},
               {"array", add, {:add, f32.(add)}}
             ] do
-          y = N.scaled_dot_product_attention(s(), q, k, v, 0.125, mode, mask, nil)
+          y = N.scaled_dot_product_attention(stream, q, k, v, 0.125, mode, mask, nil)
           assert Emily.dtype(y) == {:bf, 16}
           expect = with_cpu(fn -> l(ref_sdpa(f32.(q), f32.(k), f32.(v), 0.125, ref)) end)
           assert_close(l(y), expect, 1.0e-2)
