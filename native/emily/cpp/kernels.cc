@@ -211,6 +211,43 @@ EMILY_VECTOR void silu_map(const float* x, const float* by, float* out, size_t n
   }
 }
 
+// f32 lanes rounded to bf16 as MLX converts them (to nearest even; every NaN 0x7FC0): the
+// bits in each lane's low half.
+EMILY_VECTOR inline __m256i bf16_bits8(__m256 f) {
+  __m256i b = _mm256_castps_si256(f);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+}
+
+// f32 lanes rounded to bf16 and widened back.
+EMILY_VECTOR inline __m256 round_bf16(__m256 f) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16)); }
+
+// silu_map in bf16, as MLX's bf16 ops compute it: sigmoid from exp(|x|) rounded to bf16,
+// then 1 / (1 + e) and its complement in f32, rounded once (detail::Sigmoid on bf16);
+// each product of two bf16 values (exact in f32) rounded to bf16.
+EMILY_VECTOR void silu_map(const uint16_t* x, const uint16_t* by, uint16_t* out, size_t n) {
+  __m256 one = _mm256_set1_ps(1.0f);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = load8(x + i);
+    __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, round_bf16(exp8(abs8(v)))));
+    __m256 below = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LT_OQ);
+    __m256 sig = round_bf16(_mm256_blendv_ps(_mm256_sub_ps(one, y), y, below));
+    __m256 t = _mm256_mul_ps(sig, v);
+    if (by) t = _mm256_mul_ps(load8(by + i), round_bf16(t));
+    __m256i bits = bf16_bits8(t);
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+  }
+  for (; i < n; i++) {
+    mx::bfloat16_t v = load1(x + i);
+    mx::bfloat16_t t = mx::detail::Sigmoid{}(v) * v;
+    if (by) t = mx::bfloat16_t(load1(by + i)) * t;
+    out[i] = t.bits_;
+  }
+}
+
 class Silu : public mx::Primitive {
  public:
   explicit Silu(mx::Stream s) : mx::Primitive(s) {}
@@ -230,6 +267,14 @@ class Silu : public mx::Primitive {
     auto x = array::unsafe_weak_copy(inputs[0]);
     auto by = inputs.size() > 1 ? std::optional<array>(array::unsafe_weak_copy(inputs[1])) : std::nullopt;
     encoder.dispatch([x, by, out = array::unsafe_weak_copy(out)]() mutable {
+      if (x.dtype() == mx::bfloat16) {
+        const uint16_t* xp = x.data<uint16_t>();
+        const uint16_t* bp = by ? by->data<uint16_t>() : nullptr;
+        uint16_t* y = out.data<uint16_t>();
+        pool::ranges(x.size(), 1, 8,
+                     [&](size_t a, size_t b) { silu_map(xp + a, bp ? bp + a : nullptr, y + a, b - a); });
+        return;
+      }
       const float* xp = x.data<float>();
       const float* bp = by ? by->data<float>() : nullptr;
       float* y = out.data<float>();
@@ -269,11 +314,12 @@ array gelu_erf(const array& x, float c, const Stream& s) {
 }
 
 static array silu_cpu(const array& x, const std::optional<array>& by, const Stream& s) {
-  if (!applies(x, s)) return silu_ops(x, by, s);
+  bool bf16 = s.device == mx::Device::cpu && x.dtype() == mx::bfloat16 && vector_cpu();
+  if (!applies(x, s) && !bf16) return silu_ops(x, by, s);
   // Both read in one order: row-major (a gated unit's two products are).
   std::vector<array> in{mx::contiguous(x, false, s)};
   if (by) in.push_back(mx::contiguous(*by, false, s));
-  return array(x.shape(), mx::float32, std::make_shared<Silu>(s), std::move(in));
+  return array(x.shape(), x.dtype(), std::make_shared<Silu>(s), std::move(in));
 }
 
 array softmax(const array& a, const std::vector<int>& axes, bool precise, const Stream& s) {

@@ -23,8 +23,9 @@ array sigmoid(const array& a, const Stream& s);
 array gelu_erf(const array& x, float c, const Stream& s);
 
 // sigmoid(x) * x, times `by` where given (Axon's silu; a gated unit's silu(gate) * up,
-// `by` of x's shape and type), as those MLX ops compute it in x's type. On a CPU, f32 in
-// one pass; on a GPU, MLX's compiled form of the same ops (one fused kernel, not three).
+// `by` of x's shape and type), as those MLX ops compute it in x's type. On a CPU, f32 and
+// bf16 in one pass; on a GPU, MLX's compiled form of the same ops (one fused kernel, not
+// three).
 array silu(const array& x, const std::optional<array>& by, const Stream& s);
 
 // mx::fast::layer_norm and mx::fast::rms_norm, which on a CPU stream MLX computes as a
