@@ -138,7 +138,8 @@ EMILY_VECTOR void cols_block(const float* x, const W* b, int64_t ldb, float* y, 
 template <typename W>
 EMILY_VECTOR void cols_part(const float* x, const W* b, int64_t ldb, float* y, int k, int j0, int j1) {
   int j = j0;
-  for (; !one_stream() && j + 4 <= j1; j += 4) cols_block<4>(x, b, ldb, y, k, j);
+  const bool four = !one_stream();
+  for (; four && j + 4 <= j1; j += 4) cols_block<4>(x, b, ldb, y, k, j);
   for (; j < j1; j++) cols_block<1>(x, b, ldb, y, k, j);
 }
 

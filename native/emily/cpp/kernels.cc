@@ -211,18 +211,6 @@ EMILY_VECTOR void silu_map(const float* x, const float* by, float* out, size_t n
   }
 }
 
-// f32 lanes rounded to bf16 as MLX converts them (to nearest even; every NaN 0x7FC0): the
-// bits in each lane's low half.
-EMILY_VECTOR inline __m256i bf16_bits8(__m256 f) {
-  __m256i b = _mm256_castps_si256(f);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-}
-
-// f32 lanes rounded to bf16 and widened back.
-EMILY_VECTOR inline __m256 round_bf16(__m256 f) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16)); }
-
 // silu_map in bf16, as MLX's bf16 ops compute it: sigmoid from exp(|x|) rounded to bf16,
 // then 1 / (1 + e) and its complement in f32, rounded once (detail::Sigmoid on bf16);
 // each product of two bf16 values (exact in f32) rounded to bf16.
@@ -236,9 +224,7 @@ EMILY_VECTOR void silu_map(const uint16_t* x, const uint16_t* by, uint16_t* out,
     __m256 sig = round_bf16(_mm256_blendv_ps(_mm256_sub_ps(one, y), y, below));
     __m256 t = _mm256_mul_ps(sig, v);
     if (by) t = _mm256_mul_ps(load8(by + i), round_bf16(t));
-    __m256i bits = bf16_bits8(t);
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), packed);
+    store8(out + i, t);
   }
   for (; i < n; i++) {
     mx::bfloat16_t v = load1(x + i);

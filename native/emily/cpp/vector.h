@@ -1,5 +1,6 @@
 // Emily's AVX2 and FMA versions of MLX's CPU formulas (see kernels.cc): exp, sigmoid and
-// erf eight lanes at a time, each rounding as MLX's scalar code rounds, and softmax rows.
+// erf eight lanes at a time, each rounding as MLX's scalar code rounds, softmax rows, and
+// bf16 loads and stores.
 // Defined on x86-64 Linux only (EMILY_VECTOR_KERNELS), for CPUs that kernels::vector_cpu()
 // finds able to run them.
 #pragma once
@@ -46,6 +47,25 @@ inline uint16_t to_bf16(float f) {
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// Eight f32 lanes rounded to bf16 as MLX converts them (to nearest even; every NaN
+// 0x7FC0, where to_bf16 keeps the NaN's sign and payload): the bits in each lane's low half.
+EMILY_VECTOR inline __m256i bf16_bits8(__m256 f) {
+  __m256i b = _mm256_castps_si256(f);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
+}
+
+// Eight f32 lanes rounded to bf16 (bf16_bits8) and widened back, exactly.
+EMILY_VECTOR inline __m256 round_bf16(__m256 f) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(f), 16)); }
+
+// Eight f32 lanes stored at p as bf16 (bf16_bits8).
+EMILY_VECTOR inline void store8(uint16_t* p, __m256 f) {
+  __m256i bits = bf16_bits8(f);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
 
