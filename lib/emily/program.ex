@@ -97,6 +97,18 @@ defmodule Emily.Program do
   stack (a dirty scheduler's holds a few hundred levels) runs on its stream's worker,
   whose stack is larger, and one too deep for that too (some 32,000 levels) runs there
   uncompiled.
+
+  ## Later runs
+
+  Without `compile: true`, the second run of a program on inputs of one kind on a
+  thread records the MLX graph its instructions built (each node's primitive, its
+  output shapes and where its inputs come from), and later runs on inputs of that kind
+  rebuild the graph from that record, one array a node, without running the
+  instructions' ops again: a decoding step's graph is then built in a fraction of the
+  time. Inputs are of one kind when their shapes and dtypes, which of them are the same
+  tensor, and, for those already computed, their memory layouts are the same: all that
+  decides the graph. A program keeps at most eight such records, and after 32
+  stops recording (inputs that keep changing shape are replayed). `info/1` counts them.
   """
 
   @type t :: reference()
@@ -212,12 +224,16 @@ defmodule Emily.Program do
     outputs
   end
 
-  @doc "`%{inputs: n, instructions: n, outputs: n, compile: boolean}`."
+  @doc """
+  `%{inputs: n, instructions: n, outputs: n, compile: boolean, tapes: n}`: `tapes` is the
+  number of graphs kept for later runs (see "Later runs").
+  """
   @spec info(t) :: %{
           inputs: non_neg_integer,
           instructions: non_neg_integer,
           outputs: non_neg_integer,
-          compile: boolean
+          compile: boolean,
+          tapes: non_neg_integer
         }
   def info(program), do: Emily.Native.program_info(program)
 

@@ -77,7 +77,14 @@ defmodule Emily.ProgramTest do
     compiled = program(compile: true)
     plain = program([])
     for _ <- 1..3, do: assert_close(l(hd(run(compiled, ins))), l(hd(run(plain, ins))), 1.0e-6)
-    assert Program.info(compiled) == %{inputs: 3, instructions: 6, outputs: 1, compile: true}
+
+    assert Program.info(compiled) == %{
+             inputs: 3,
+             instructions: 6,
+             outputs: 1,
+             compile: true,
+             tapes: 0
+           }
   end
 
   test "a compiled program retraces for new shapes" do

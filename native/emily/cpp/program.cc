@@ -74,9 +74,16 @@ static std::vector<array> replay(const ProgramSpec& p, const std::vector<array>&
   return result;
 }
 
+// The program's graph on `inputs`: replayed, or rebuilt from its tape for inputs like these.
+static std::vector<array> build(const ProgramSpec& p, const std::vector<array>& inputs, const Stream& s) {
+  return p.tapes.build(inputs, s, [&] { return replay(p, inputs, s); });
+}
+
+size_t program_tapes(const ProgramSpec& p) { return p.tapes.size(); }
+
 std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inputs, const Stream& s) {
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay(p, inputs.items, s);
+  out->items = build(p, inputs.items, s);
   return out;
 }
 
@@ -84,7 +91,7 @@ static Stream here(int32_t device) { return mx::default_stream(device == 1 ? mx:
 
 std::unique_ptr<ArrayVec> program_dispatch_here(const ProgramSpec& p, const ArrayVec& inputs, int32_t device) {
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay(p, inputs.items, here(device));
+  out->items = build(p, inputs.items, here(device));
   mx::async_eval(out->items);
   return out;
 }
@@ -127,7 +134,7 @@ std::unique_ptr<ArrayVec> program_eval_async(const ProgramSpec& p, const ArrayVe
                                              rust::Box<EvalDone> done) {
   Stream s = mx::default_stream(mx::Device::cpu);
   auto out = std::make_unique<ArrayVec>();
-  out->items = replay(p, inputs.items, s);
+  out->items = build(p, inputs.items, s);
   if (contiguous) out->items = for_export(std::move(out->items), s);
   eval_then(out->items, s, std::move(done));
   return out;

@@ -11,6 +11,7 @@
 
 #include "emily.h"
 #include "mlx/compile_impl.h"
+#include "tape.h"
 
 namespace emily {
 
@@ -29,6 +30,8 @@ struct ProgramSpec {
   size_t n_inputs = 0;
   std::vector<ProgramInstr> instrs;
   std::vector<uint32_t> outputs;
+  // The graphs its replays built, rebuilt for later runs (tape.h).
+  Tapes tapes;
 };
 
 // A program compiled with mx::compile, for every thread that runs it (a stream's worker,
@@ -50,6 +53,8 @@ void program_spec_push(ProgramSpec& p, uint32_t op, rust::Str name, rust::Slice<
                        rust::Slice<const int64_t> ints, rust::Slice<const double> floats,
                        rust::Slice<const rust::String> strs, uint32_t outputs);
 void program_spec_outputs(ProgramSpec& p, rust::Slice<const uint32_t> slots);
+// The tapes `p` keeps (tape.h).
+size_t program_tapes(const ProgramSpec& p);
 std::unique_ptr<ArrayVec> program_call(const ProgramSpec& p, const ArrayVec& inputs, const Stream& s);
 // Replays on the calling thread's own default stream of `device` and hands the graph to
 // MLX for evaluation (MLX may wait there for earlier work); program_finish_here, on the

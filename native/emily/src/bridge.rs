@@ -99,6 +99,7 @@ pub mod ffi {
             outputs: u32,
         );
         fn program_spec_outputs(p: Pin<&mut ProgramSpec>, slots: &[u32]);
+        fn program_tapes(p: &ProgramSpec) -> usize;
         fn program_call(p: &ProgramSpec, inputs: &ArrayVec, s: &Stream) -> Result<UniquePtr<ArrayVec>>;
         fn program_dispatch_here(
             p: &ProgramSpec,

@@ -105,7 +105,8 @@ impl Instr {
 
 /// The C++ program, immutable once built.
 struct Spec(cxx::UniquePtr<ffi::ProgramSpec>);
-// SAFETY: built once on a scheduler, then only read (program_call takes it by const&).
+// SAFETY: built once on a scheduler, then only read (program_call takes it by const&);
+// its tapes, which runs add, are behind a mutex (cpp/tape.h).
 unsafe impl Send for Spec {}
 unsafe impl Sync for Spec {}
 
@@ -823,15 +824,16 @@ fn program_build_time() -> (u64, u64) {
     (BUILD_RUNS.load(Ordering::Relaxed), BUILD_NANOS.load(Ordering::Relaxed) / 1000)
 }
 
-/// `program_info(program)`: `%{inputs:, instructions:, outputs:, compile:}`.
+/// `program_info(program)`: `%{inputs:, instructions:, outputs:, compile:, tapes:}`.
 #[rustler::nif]
 fn program_info<'a>(env: Env<'a>, program: ResourceArc<ProgramResource>) -> NifResult<Term<'a>> {
-    let keys = ["inputs", "instructions", "outputs", "compile"];
+    let keys = ["inputs", "instructions", "outputs", "compile", "tapes"];
     let values = [
         program.n_inputs.encode(env),
         program.n_instrs.encode(env),
         program.outputs.encode(env),
         program.compile.encode(env),
+        ffi::program_tapes(&program.spec.0).encode(env),
     ];
     let keys: Vec<Term> = keys.iter().map(|k| rustler::Atom::from_str(env, k).unwrap().encode(env)).collect();
     Term::map_from_arrays(env, &keys, &values)
