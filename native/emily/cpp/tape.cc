@@ -2,7 +2,6 @@
 #include "tape.h"
 
 #include <algorithm>
-#include <cstring>
 #include <unordered_map>
 #include <utility>
 
@@ -13,8 +12,9 @@ namespace mx = mlx::core;
 
 namespace {
 
-// The tapes a program keeps (the oldest goes first), and the most it records: inputs
-// that keep changing kind (a prompt of each length) are left to the replay.
+// The tapes a program keeps (the oldest goes first), the most it records (inputs that
+// keep changing kind, a prompt of each length, are left to the replay), and the kinds
+// run once that it remembers.
 constexpr size_t kTapes = 8;
 constexpr size_t kRecordings = 32;
 constexpr size_t kSeen = 16;
@@ -36,8 +36,9 @@ struct Tape {
 
   std::vector<int64_t> key;
   std::vector<Node> nodes;
-  // Arrays the replay made without inputs (scalars, loaded constants), held here: being
-  // shared by every rebuilt graph, MLX never donates their buffers to an output.
+  // Arrays in the graph that the replay did not compute (scalars it made, loaded
+  // constants), held here: shared by every rebuilt graph, so MLX never donates their
+  // buffers to an output.
   std::vector<array> constants;
   std::vector<Ref> outputs;
   // The outputs of all nodes, in order.
