@@ -919,6 +919,33 @@ defmodule Emily.Native.LinalgTest do
       assert_alive(cpu())
     end
 
+    test "svd, svdvals and pinv of a matrix with a NaN or an infinity are NaN, each matrix alone" do
+      # Unguarded, LAPACK's bidiagonal QR spun forever on an infinity (holding the CPU
+      # worker, and at exit the VM), and failed on a NaN.
+      for type <- [{:f, 32}, {:f, 64}] do
+        a =
+          t(
+            [3.0, 0.0, 0.0, 2.0, :infinity, 1.0, 2.0, 3.0, 1.0, :nan, 0.0, 1.0],
+            type,
+            {3, 2, 2}
+          )
+
+        [u, sv, vt] = N.svd(cpu(), a)
+        [good, with_inf, with_nan] = Enum.chunk_every(l(sv), 2)
+        assert_close(good, [3.0, 2.0], 1.0e-6)
+        assert with_inf == [:nan, :nan] and with_nan == [:nan, :nan]
+        assert Enum.drop(l(u), 4) == List.duplicate(:nan, 8)
+        assert Enum.drop(l(vt), 4) == List.duplicate(:nan, 8)
+        assert Enum.drop(l(N.svdvals(cpu(), a)), 2) == List.duplicate(:nan, 4)
+
+        p = l(N.pinv(cpu(), a))
+        assert_close(Enum.take(p, 4), [1 / 3, 0.0, 0.0, 0.5], 1.0e-6)
+        assert Enum.drop(p, 4) == List.duplicate(:nan, 8)
+      end
+
+      assert_alive(cpu())
+    end
+
     test "det and slogdet: small and LU paths" do
       assert_close(l(N.det(cpu(), t([1.0, 2.0, 3.0, 4.0], {:f, 32}, {2, 2}))), [-2.0])
       # a row swap of diag(1, 2, 3, 4): det = -24

@@ -112,6 +112,35 @@ inline mlx::core::array eigvals_checked(const mlx::core::array& a, mlx::core::St
   return nan_where_nonfinite(mx::squeeze(finite, -1, s), values, s);
 }
 
+// `x` where `finite`, else a NaN of x's type.
+inline mlx::core::array real_nan_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& x,
+                                                 mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  return mx::where(finite, x, mx::astype(mx::array(NAN), x.dtype(), s), s);
+}
+
+// LAPACK's bidiagonal QR (OpenBLAS's sbdsqr, behind MLX's CPU svd with its vectors and
+// so behind pinv) never returns on a matrix with an infinity: it spins, holding the CPU
+// worker, and the VM's exit waits on that worker. A NaN makes it fail instead. So, as
+// for eig, a matrix with a non-finite entry is replaced by zeros before MLX sees it, and
+// its factors (or its pseudo-inverse) are NaN, each matrix of a batch on its own.
+inline std::vector<mlx::core::array> svd_checked(const mlx::core::array& a, bool compute_uv,
+                                                 mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::svd(a, compute_uv, s);
+  mx::array finite = finite_matrices(a, s);
+  auto out = mx::linalg::svd(mx::where(finite, a, mx::zeros_like(a, s), s), compute_uv, s);
+  for (auto& x : out) x = real_nan_where_nonfinite(x.ndim() == a.ndim() ? finite : mx::squeeze(finite, -1, s), x, s);
+  return out;
+}
+
+inline mlx::core::array pinv_checked(const mlx::core::array& a, mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::pinv(a, s);
+  mx::array finite = finite_matrices(a, s);
+  return real_nan_where_nonfinite(finite, mx::linalg::pinv(mx::where(finite, a, mx::zeros_like(a, s), s), s), s);
+}
+
 // MLX's CPU LU factorization (LUF) records its packed LU output's size in bytes where
 // MLX expects elements (MLX 0.32.4): an elementwise op on it then reads and writes
 // itemsize times too many elements, past the end of the buffer when it reuses that
