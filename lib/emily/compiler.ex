@@ -12,10 +12,10 @@ if Code.ensure_loaded?(Nx) do
     or at the first `Nx.Defn.jit` call for given input shapes and types: see `:cache`)
     into one `Emily.Program` (or a few, around what runs on the host: see below)
     and replays it per run in one native call (from the third run on inputs of one
-    kind, rebuilding the graph from a tape: see `Emily.Program`), with the inputs (and the graph's
-    captured tensors) as the program's inputs, returning its outputs evaluated
-    (`Emily.Program.eval/3`: the call builds and evaluates the graph itself, with no
-    hop to the stream's worker and back); with `compile: true` the program is also
+    kind, rebuilding the graph from a tape: see `Emily.Program`), with the inputs
+    (and the graph's captured tensors) as the program's inputs, returning its outputs
+    evaluated (`Emily.Program.eval/3`: the call builds and evaluates the graph itself,
+    with no hop to the stream's worker and back); with `compile: true` the program is also
     fused with `mx::compile` (see `Emily.Program`). It lowers, over the
     types MLX computes with (not f64 on a GPU):
 
