@@ -79,11 +79,18 @@ inline mlx::core::array finite_matrices(const mlx::core::array& a, mlx::core::St
   return mx::all(ok, {-2, -1}, /*keepdims=*/true, s);
 }
 
-// `x` where `finite`, else a complex NaN.
+// `x` where `finite`, else a NaN of x's type (complex: NaN in both parts).
 inline mlx::core::array nan_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& x,
                                             mlx::core::StreamOrDevice s) {
   namespace mx = mlx::core;
-  return mx::where(finite, x, mx::array(mx::complex64_t(NAN, NAN)), s);
+  return mx::where(finite, x, mx::astype(mx::array(mx::complex64_t(NAN, NAN)), x.dtype(), s), s);
+}
+
+// `a` with each matrix that is not `finite` replaced by zeros: what LAPACK is given.
+inline mlx::core::array zeros_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& a,
+                                              mlx::core::StreamOrDevice s) {
+  namespace mx = mlx::core;
+  return mx::where(finite, a, mx::zeros_like(a, s), s);
 }
 
 // LAPACK's geev, behind MLX's CPU eig and eigvals, does not survive a NaN or an
@@ -100,7 +107,7 @@ inline std::pair<mlx::core::array, mlx::core::array> eig_checked(const mlx::core
   namespace mx = mlx::core;
   if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::eig(a, s);
   mx::array finite = finite_matrices(a, s);
-  auto [values, vectors] = mx::linalg::eig(mx::where(finite, a, mx::zeros_like(a, s), s), s);
+  auto [values, vectors] = mx::linalg::eig(zeros_where_nonfinite(finite, a, s), s);
   return {nan_where_nonfinite(mx::squeeze(finite, -1, s), values, s), nan_where_nonfinite(finite, vectors, s)};
 }
 
@@ -108,15 +115,8 @@ inline mlx::core::array eigvals_checked(const mlx::core::array& a, mlx::core::St
   namespace mx = mlx::core;
   if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::eigvals(a, s);
   mx::array finite = finite_matrices(a, s);
-  mx::array values = mx::linalg::eigvals(mx::where(finite, a, mx::zeros_like(a, s), s), s);
+  mx::array values = mx::linalg::eigvals(zeros_where_nonfinite(finite, a, s), s);
   return nan_where_nonfinite(mx::squeeze(finite, -1, s), values, s);
-}
-
-// `x` where `finite`, else a NaN of x's type.
-inline mlx::core::array real_nan_where_nonfinite(const mlx::core::array& finite, const mlx::core::array& x,
-                                                 mlx::core::StreamOrDevice s) {
-  namespace mx = mlx::core;
-  return mx::where(finite, x, mx::astype(mx::array(NAN), x.dtype(), s), s);
 }
 
 // LAPACK's bidiagonal QR (OpenBLAS's sbdsqr, behind MLX's CPU svd with its vectors and
@@ -129,8 +129,8 @@ inline std::vector<mlx::core::array> svd_checked(const mlx::core::array& a, bool
   namespace mx = mlx::core;
   if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::svd(a, compute_uv, s);
   mx::array finite = finite_matrices(a, s);
-  auto out = mx::linalg::svd(mx::where(finite, a, mx::zeros_like(a, s), s), compute_uv, s);
-  for (auto& x : out) x = real_nan_where_nonfinite(x.ndim() == a.ndim() ? finite : mx::squeeze(finite, -1, s), x, s);
+  auto out = mx::linalg::svd(zeros_where_nonfinite(finite, a, s), compute_uv, s);
+  for (auto& x : out) x = nan_where_nonfinite(x.ndim() == a.ndim() ? finite : mx::squeeze(finite, -1, s), x, s);
   return out;
 }
 
@@ -138,7 +138,7 @@ inline mlx::core::array pinv_checked(const mlx::core::array& a, mlx::core::Strea
   namespace mx = mlx::core;
   if (a.ndim() < 2 || !mx::issubdtype(a.dtype(), mx::inexact)) return mx::linalg::pinv(a, s);
   mx::array finite = finite_matrices(a, s);
-  return real_nan_where_nonfinite(finite, mx::linalg::pinv(mx::where(finite, a, mx::zeros_like(a, s), s), s), s);
+  return nan_where_nonfinite(finite, mx::linalg::pinv(zeros_where_nonfinite(finite, a, s), s), s);
 }
 
 // MLX's CPU LU factorization (LUF) records its packed LU output's size in bytes where
