@@ -73,6 +73,13 @@ void open_out() {
   std::fprintf(out, "# %d %s\n", getpid(), args.c_str());
 }
 
+// A copy's or a memset's line: its bytes where a kernel's has its name.
+template <typename Record>
+void write_bytes(char kind, const Record* r) {
+  std::fprintf(out, "%c\t%llu\t%llu\t%u\t%u\t%llu\n", kind, (unsigned long long)r->start,
+               (unsigned long long)r->end, r->streamId, r->graphId, (unsigned long long)r->bytes);
+}
+
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
   *size = kBufferBytes;
@@ -93,20 +100,12 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
                        name_of(k->name).c_str());
           break;
         }
-        case CUPTI_ACTIVITY_KIND_MEMCPY: {
-          auto* c = reinterpret_cast<CopyRecord*>(record);
-          std::fprintf(out, "c\t%llu\t%llu\t%u\t%u\t%llu\n", (unsigned long long)c->start,
-                       (unsigned long long)c->end, c->streamId, c->graphId,
-                       (unsigned long long)c->bytes);
+        case CUPTI_ACTIVITY_KIND_MEMCPY:
+          write_bytes('c', reinterpret_cast<CopyRecord*>(record));
           break;
-        }
-        case CUPTI_ACTIVITY_KIND_MEMSET: {
-          auto* s = reinterpret_cast<SetRecord*>(record);
-          std::fprintf(out, "s\t%llu\t%llu\t%u\t%u\t%llu\n", (unsigned long long)s->start,
-                       (unsigned long long)s->end, s->streamId, s->graphId,
-                       (unsigned long long)s->bytes);
+        case CUPTI_ACTIVITY_KIND_MEMSET:
+          write_bytes('s', reinterpret_cast<SetRecord*>(record));
           break;
-        }
         default:
           break;
       }
