@@ -98,7 +98,7 @@ def report(path, args, marker):
     kept = []
     for burst in bursts(acts, args.burst_gap_ms * 1e6):
         ps, ends = passes(burst, marker)
-        if len(ps) + 2 < args.min_passes:
+        if not ps or len(ps) + 2 < args.min_passes:
             continue
         previous_end = burst[ends[1]][1]
         for p in ps:
