@@ -6,11 +6,15 @@
 // composition of mlx/fast.cpp: a scale, q·kᵀ and ·v through cuBLAS (each a captured
 // graph of its own), the mask, softmax, and copies of the cache, which reaches the
 // products transposed ([B, L, heads, D] read as [B, heads, L, D]): about ten kernel
-// nodes a layer for the host to encode. This kernel is one: a block per (batch, head,
-// query row) reads q, k, v and the mask through their strides, grouped-query heads
-// their key/value head in place, and computes the scores, the mask as the composition
-// applies it (false: f32's lowest value; additive: added), the softmax and the weighted
-// sum of the values in f32.
+// nodes a layer. This kernel is one, shaped as MLX's own vector kernel: a block of 32
+// warps per (batch, head, query row). Each warp takes every 32nd key, its lanes holding
+// consecutive elements of the head, and keeps a running softmax over its keys (the
+// largest score, the sum of exponentials and the weighted values, in f32); the block
+// then rescales the warps' parts to the row's largest score and sums them. q, k, v and
+// the mask are read through their strides, grouped-query heads read their key/value
+// head in place, and the mask applies as the composition applies it (false: f32's
+// lowest value; additive: added).
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 
@@ -27,97 +31,105 @@ namespace {
 
 constexpr int kMaxRows = 8;
 constexpr int kMaxHead = 256;
-constexpr int kMaxKeys = 4096;  // the scores of a row stay in shared memory
-constexpr int kThreads = 128;
+constexpr int kWarps = 32;
 
 // T: the operands' type, MaskT the mask's. MASK: 1 a bool mask, 2 an additive one.
-// SCALE: the scale's f32 bits. The shapes and strides are the arrays' own (the cache is
-// read where it lies).
+// SCALE: the scale's f32 bits. HEAD: the larger head size (q·k's or v's) rounded up to
+// the warp's 32 lanes. The shapes and strides are the arrays' own (the cache is read
+// where it lies).
 constexpr const char* kSource = R"(
-extern "C" __global__ void emily_decode_attention(
+#define NEG_INF __int_as_float(0xff800000)
+extern "C" __global__ void __launch_bounds__(1024) emily_decode_attention(
     const T* q, const T* k, const T* v, const MaskT* mask, T* out,
     int q1, int q2, int q3, int k1, int k2, int v3,
     long long qs0, long long qs1, long long qs2, long long qs3,
     long long ks0, long long ks1, long long ks2, long long ks3,
     long long vs0, long long vs1, long long vs2, long long vs3,
     long long ms0, long long ms1, long long ms2, long long ms3) {
-  const int q_shape[4] = {0, q1, q2, q3}, k_shape[4] = {0, k1, k2, 0}, v_shape[4] = {0, 0, 0, v3};
-  const long long q_strides[4] = {qs0, qs1, qs2, qs3}, k_strides[4] = {ks0, ks1, ks2, ks3};
-  const long long v_strides[4] = {vs0, vs1, vs2, vs3}, mask_strides[4] = {ms0, ms1, ms2, ms3};
-  __shared__ float qs[MAX_HEAD];
-  __shared__ float sc[MAX_KEYS];
-  __shared__ float red[32];
-  const int Hq = q_shape[1], Lq = q_shape[2], D = q_shape[3];
-  const int Hkv = k_shape[1], Lk = k_shape[2], Dv = v_shape[3];
+  constexpr int E = HEAD / 32;  // a lane's elements of the head
+  __shared__ float parts[32][HEAD];
+  __shared__ float maxes[32], sums[32];
+  const int Hq = q1, Lq = q2, D = q3, Hkv = k1, Lk = k2, Dv = v3;
   const int row = blockIdx.x;
   const int i = row % Lq, h = (row / Lq) % Hq, b = row / (Lq * Hq);
   const int hk = h / (Hq / Hkv);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int d0 = lane * E;
   const float scale = __int_as_float(SCALE);
 
-  const T* qp = q + b * q_strides[0] + h * q_strides[1] + i * q_strides[2];
-  for (int d = tid; d < D; d += blockDim.x) qs[d] = to_float(qp[d * q_strides[3]]) * scale;
-  __syncthreads();
+  float qv[E], acc[E];
+  const T* qp = q + b * qs0 + h * qs1 + i * qs2;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    qv[e] = d0 + e < D ? to_float(qp[(d0 + e) * qs3]) * scale : 0.f;
+    acc[e] = 0.f;
+  }
 
-  // One warp per key: its lanes split the head's elements.
-  const T* kb = k + b * k_strides[0] + hk * k_strides[1];
-  const MaskT* mb = mask + b * mask_strides[0] + h * mask_strides[1] + i * mask_strides[2];
-  for (int j = warp; j < Lk; j += warps) {
-    const T* kp = kb + j * k_strides[2];
+  // The warp's running softmax. A score of -inf adds nothing, and while every score so
+  // far is -inf nothing is rescaled, so a row whose scores are all -inf ends with a zero
+  // sum and gives NaN, as the composition's softmax does.
+  float m = NEG_INF, sum = 0.f;
+  const T* kb = k + b * ks0 + hk * ks1;
+  const T* vb = v + b * vs0 + hk * vs1;
+  const MaskT* mb = mask + b * ms0 + h * ms1 + i * ms2;
+  for (int j = warp; j < Lk; j += 32) {
+    const T* kp = kb + j * ks2;
+    const T* vp = vb + j * vs2;
+    float kv[E], vv[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      kv[e] = d0 + e < D ? to_float(kp[(d0 + e) * ks3]) : 0.f;
+      vv[e] = d0 + e < Dv ? to_float(vp[(d0 + e) * vs3]) : 0.f;
+    }
+    const MaskT mj = mb[j * ms3];
     float s = 0.f;
-    for (int d = lane; d < D; d += 32) s += qs[d] * to_float(kp[d * k_strides[3]]);
+#pragma unroll
+    for (int e = 0; e < E; ++e) s += qv[e] * kv[e];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-    if (lane == 0) {
 #if MASK == 1
-      if (!mb[j * mask_strides[3]]) s = -3.40282347e+38f;
+    if (!mj) s = -3.40282347e+38f;
 #else
-      s += to_float(mb[j * mask_strides[3]]);
+    s += to_float(mj);
 #endif
-      sc[j] = s;
-    }
-  }
-  __syncthreads();
-
-  float m = __int_as_float(0xff800000);
-  for (int j = tid; j < Lk; j += blockDim.x) m = fmaxf(m, sc[j]);
+    const float mn = fmaxf(m, s);
+    const float c = m == mn ? 1.f : expf(m - mn);
+    const float p = s == NEG_INF ? 0.f : expf(s - mn);
+    sum = sum * c + p;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-  for (int w = 1; w < warps; ++w) m = fmaxf(m, red[w]);
-  __syncthreads();
-
-  float sum = 0.f;
-  for (int j = tid; j < Lk; j += blockDim.x) {
-    const float e = expf(sc[j] - m);
-    sc[j] = e;
-    sum += e;
+    for (int e = 0; e < E; ++e) acc[e] = acc[e] * c + p * vv[e];
+    m = mn;
   }
+
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-  if (lane == 0) red[warp] = sum;
-  __syncthreads();
-  sum = 0.f;
-  for (int w = 0; w < warps; ++w) sum += red[w];
-
-  const T* vb = v + b * v_strides[0] + hk * v_strides[1];
-  T* op = out + ((size_t)(b * Hq + h) * Lq + i) * Dv;
-  for (int d = tid; d < Dv; d += blockDim.x) {
-    float acc = 0.f;
-    for (int j = 0; j < Lk; ++j) acc += sc[j] * to_float(vb[j * v_strides[2] + d * v_strides[3]]);
-    op[d] = from_float<T>(acc / sum);
+  for (int e = 0; e < E; ++e) parts[warp][d0 + e] = acc[e];
+  if (lane == 0) {
+    maxes[warp] = m;
+    sums[warp] = sum;
   }
+  __syncthreads();
+
+  // A warp that saw no key holds -inf, 0 and zeros: its factor is 0.
+  const int d = threadIdx.x;
+  if (d >= Dv) return;
+  float top = NEG_INF;
+  for (int w = 0; w < 32; ++w) top = fmaxf(top, maxes[w]);
+  float total = 0.f, o = 0.f;
+  for (int w = 0; w < 32; ++w) {
+    const float f = expf(maxes[w] - top);
+    total += sums[w] * f;
+    o += parts[w][d] * f;
+  }
+  out[((size_t)(b * Hq + h) * Lq + i) * Dv + d] = from_float<T>(o / total);
 }
 )";
 
-cuda::Kernel attention_kernel(mx::Dtype t, mx::Dtype mask, float scale, unsigned blocks) {
+cuda::Kernel attention_kernel(mx::Dtype t, mx::Dtype mask, float scale, int head, unsigned blocks) {
   auto num = [](auto v) { return std::to_string(v); };
   std::string src = cuda::kTypes;
   src += "using T = " + std::string(cuda::type_name(t)) + ";\nusing MaskT = " + cuda::type_name(mask) + ";\n";
   src += "#define MASK " + num(mask == mx::bool_ ? 1 : 2) + "\n#define SCALE " + num(std::bit_cast<int>(scale)) +
-         "\n#define MAX_HEAD " + num(kMaxHead) + "\n#define MAX_KEYS " + num(kMaxKeys) + "\n";
+         "\n#define HEAD " + num(head) + "\n";
   src += kSource;
   using P = cuda::Param;
   std::vector<P> params{{P::Input, 0}, {P::Input, 1}, {P::Input, 2}, {P::Input, 3}, {P::Output, 0},
@@ -125,7 +137,7 @@ cuda::Kernel attention_kernel(mx::Dtype t, mx::Dtype mask, float scale, unsigned
                         {P::Dim, 2, 3}};
   for (int in = 0; in < 4; in++)
     for (int axis = 0; axis < 4; axis++) params.push_back({P::Stride, in, axis});
-  return {"emily_decode_attention", std::move(src), std::move(params), {blocks, 1, 1}, {kThreads, 1, 1}};
+  return {"emily_decode_attention", std::move(src), std::move(params), {blocks, 1, 1}, {kWarps * 32, 1, 1}};
 }
 
 bool floating(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
@@ -140,8 +152,8 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
   if (q.dtype() != k.dtype() || q.dtype() != v.dtype() || !floating(q.dtype())) return false;
   if (mask->dtype() != mx::bool_ && !floating(mask->dtype())) return false;
   int rows = q.shape(2), head = q.shape(3), keys = k.shape(2), q_heads = q.shape(1), kv_heads = k.shape(1);
-  return rows >= 1 && rows <= kMaxRows && head <= kMaxHead && v.shape(3) <= kMaxHead && keys >= 1 &&
-         keys <= kMaxKeys && kv_heads >= 1 && q_heads % kv_heads == 0;
+  return rows >= 1 && rows <= kMaxRows && head >= 1 && head <= kMaxHead && v.shape(3) >= 1 &&
+         v.shape(3) <= kMaxHead && keys >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0;
 }
 
 array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
@@ -151,9 +163,12 @@ array cuda_attention(const array& q, const array& k, const array& v, float scale
   auto out = q.shape();
   out.back() = v.shape(3);
   unsigned blocks = q.shape(0) * q.shape(1) * q.shape(2);
-  std::string key = "attention " + std::to_string(static_cast<int>(q.dtype().val())) + " " + std::to_string(static_cast<int>(mask.dtype().val())) + " " +
-                    std::to_string(std::bit_cast<int>(scale)) + " " + std::to_string(blocks);
-  auto& kernel = cuda::instance(key, [&] { return attention_kernel(q.dtype(), mask.dtype(), scale, blocks); });
+  int head = (std::max(q.shape(3), v.shape(3)) + 31) / 32 * 32;
+  auto num = [](auto x) { return std::to_string(x); };
+  std::string key = "attention " + num(static_cast<int>(q.dtype().val())) + " " +
+                    num(static_cast<int>(mask.dtype().val())) + " " + num(std::bit_cast<int>(scale)) + " " +
+                    num(head) + " " + num(blocks);
+  auto& kernel = cuda::instance(key, [&] { return attention_kernel(q.dtype(), mask.dtype(), scale, head, blocks); });
   return cuda::launch(kernel, {q, k, v, mx::broadcast_to(mask, scores, s)}, {out}, {q.dtype()}, s)[0];
 }
 

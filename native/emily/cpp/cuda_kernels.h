@@ -22,8 +22,8 @@ array cuda_gemv(const array& x, const array& b, const Stream& s);
 std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, const Stream& s);
 
 // `mx::fast::scaled_dot_product_attention` of up to 8 query rows with an array mask
-// (bool or additive), no sinks, head sizes up to 256 and up to 4096 keys, all of one
-// floating type (cuda_attention.cc).
+// (bool or additive), no sinks and head sizes up to 256, all of one floating type
+// (cuda_attention.cc).
 bool cuda_attention_applies(const array& q, const array& k, const array& v, const std::string& mask_mode,
                             const std::optional<array>& mask, const std::optional<array>& sinks, const Stream& s);
 // Scores, softmax and the weighted sum in f32, the result rounded once.
