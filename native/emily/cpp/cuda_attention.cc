@@ -35,11 +35,11 @@ constexpr int kWarps = 32;
 
 // T: the operands' type, MaskT the mask's. MASK: 1 a bool mask, 2 an additive one.
 // SCALE: the scale's f32 bits. HEAD: the larger head size (q·k's or v's) rounded up to
-// the warp's 32 lanes. The shapes and strides are the arrays' own (the cache is read
-// where it lies).
+// the warp's 32 lanes. WARPS: the block's warps. The shapes and strides are the arrays'
+// own (the cache is read where it lies).
 constexpr const char* kSource = R"(
 #define NEG_INF __int_as_float(0xff800000)
-extern "C" __global__ void __launch_bounds__(1024) emily_decode_attention(
+extern "C" __global__ void __launch_bounds__(WARPS * 32) emily_decode_attention(
     const T* q, const T* k, const T* v, const MaskT* mask, T* out,
     int q1, int q2, int q3, int k1, int k2, int v3,
     long long qs0, long long qs1, long long qs2, long long qs3,
@@ -47,8 +47,8 @@ extern "C" __global__ void __launch_bounds__(1024) emily_decode_attention(
     long long vs0, long long vs1, long long vs2, long long vs3,
     long long ms0, long long ms1, long long ms2, long long ms3) {
   constexpr int E = HEAD / 32;  // a lane's elements of the head
-  __shared__ float parts[32][HEAD];
-  __shared__ float maxes[32], sums[32];
+  __shared__ float parts[WARPS][HEAD];
+  __shared__ float maxes[WARPS], sums[WARPS];
   const int Hq = q1, Lq = q2, D = q3, Hkv = k1, Lk = k2, Dv = v3;
   const int row = blockIdx.x;
   const int i = row % Lq, h = (row / Lq) % Hq, b = row / (Lq * Hq);
@@ -72,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(1024) emily_decode_attention(
   const T* kb = k + b * ks0 + hk * ks1;
   const T* vb = v + b * vs0 + hk * vs1;
   const MaskT* mb = mask + b * ms0 + h * ms1 + i * ms2;
-  for (int j = warp; j < Lk; j += 32) {
+  for (int j = warp; j < Lk; j += WARPS) {
     const T* kp = kb + j * ks2;
     const T* vp = vb + j * vs2;
     float kv[E], vv[E];
@@ -113,9 +113,9 @@ extern "C" __global__ void __launch_bounds__(1024) emily_decode_attention(
   const int d = threadIdx.x;
   if (d >= Dv) return;
   float top = NEG_INF;
-  for (int w = 0; w < 32; ++w) top = fmaxf(top, maxes[w]);
+  for (int w = 0; w < WARPS; ++w) top = fmaxf(top, maxes[w]);
   float total = 0.f, o = 0.f;
-  for (int w = 0; w < 32; ++w) {
+  for (int w = 0; w < WARPS; ++w) {
     const float f = expf(maxes[w] - top);
     total += sums[w] * f;
     o += parts[w][d] * f;
@@ -129,7 +129,7 @@ cuda::Kernel attention_kernel(mx::Dtype t, mx::Dtype mask, float scale, int head
   std::string src = cuda::kTypes;
   src += "using T = " + std::string(cuda::type_name(t)) + ";\nusing MaskT = " + cuda::type_name(mask) + ";\n";
   src += "#define MASK " + num(mask == mx::bool_ ? 1 : 2) + "\n#define SCALE " + num(std::bit_cast<int>(scale)) +
-         "\n#define HEAD " + num(head) + "\n";
+         "\n#define HEAD " + num(head) + "\n#define WARPS " + num(kWarps) + "\n";
   src += kSource;
   using P = cuda::Param;
   std::vector<P> params{{P::Input, 0}, {P::Input, 1}, {P::Input, 2}, {P::Input, 3}, {P::Output, 0},
