@@ -5,7 +5,7 @@
 // mlx-lm's layout); for (K, N) it calls cuBLAS, which it captures into a CUDA graph of
 // its own per call. On an H200 that costs the host about 11 us more per product than a
 // plain kernel (18.6 against 7.4 us per bf16 product in a chain of 196, Qwen3-0.6B's
-// shapes), when a decode pass was bound by the host's encoding. This kernel is one node
+// shapes), and a decoding pass waits on the host's encoding. This kernel is one node
 // that reads the weight once, coalesced along its rows; on an H100 a decode's products
 // take as long on the device as mlx-lm's through MLX's gemv (bench/README.md).
 #include "cuda_kernels.h"

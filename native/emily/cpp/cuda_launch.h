@@ -3,7 +3,7 @@
 // MLX's custom-kernel call (`mx::fast::cuda_kernel`) formats the kernel's name, hashes its
 // whole source, looks its module up by that name and packs its arguments into a deque of
 // variants at every evaluation: 6.9 us of host time a node on an H100, where MLX's own
-// gemv costs 3.7 (bench/README.md, "GPU: models"), in a decoding pass then bound by the
+// gemv costs 3.7 (bench/README.md, "GPU: models"), and a decoding pass waits on the
 // host's encoding. Here a kernel is compiled once per instance, and evaluating its node
 // allocates the outputs, writes the arguments its instance lists into an array and adds
 // one kernel node to the stream's CUDA graph.
