@@ -105,7 +105,10 @@ defmodule Emily.Program do
   output shapes and where its inputs come from), and later runs on inputs of that kind
   rebuild the graph from that record, one array a node, without running the
   instructions' ops again: a decoding step's graph is then built in a fraction of the
-  time. Inputs are of one kind when their shapes and dtypes, which of them are the same
+  time. The record holds each chain of reshapes, added or removed unit axes and
+  transposes that move only unit axes as one reshape (a chain back to its start's shape
+  as nothing): each node costs the host as much to build and MLX as much to encode,
+  whether it computes or not. Inputs are of one kind when their shapes and dtypes, which of them are the same
   tensor, and, for those already computed, their memory layouts are the same: all that
   decides the graph. A program keeps at most eight such records, and after 32
   stops recording (inputs that keep changing shape are replayed). `info/1` counts them.

@@ -114,6 +114,70 @@ defmodule Emily.ProgramTapeTest do
     assert tapes(p) == 1
   end
 
+  test "chains of views rebuild as one reshape, with the same values and shapes" do
+    # A tape folds each chain of reshapes, added or removed unit axes and transposes that
+    # move only unit axes into one reshape of the chain's start (a chain that ends in its
+    # start's shape into nothing). Slot 0 is x {2, 1, 3, 4}.
+    instrs = [
+      # 1: reshape, reshape: {2, 12}
+      {:reshape, [0, {2, 3, 4}]},
+      {:reshape, [1, {2, 12}]},
+      # 3: a transpose of unit axes only, then a reshape: {6, 4}
+      {:transpose, [0, [1, 0, 2, 3]]},
+      {:reshape, [3, {6, 4}]},
+      # 5: a chain back to x's shape (nothing), then read: x + x
+      {:expand_dims, [0, [0]]},
+      {:squeeze, [5, [0]]},
+      {:add, [6, 0]},
+      # 8: a transpose of two axes of size 3 and 4 (not a reshape), then a reshape
+      {:transpose, [0, [0, 1, 3, 2]]},
+      {:reshape, [8, {2, 12}]},
+      # 10: a view read twice (kept), and a chain whose middle is an output
+      {:reshape, [0, {24}]},
+      {:reshape, [10, {4, 6}]},
+      {:add, [10, 10]},
+      {:reshape, [0, {8, 3}]},
+      {:expand_dims, [13, [0]]},
+      {:squeeze, [14, [0]]},
+      {:reshape, [15, {24}]},
+      # 17: a chain that starts at a transposed (strided) view: {3, 8}
+      {:transpose, [0, [2, 1, 0, 3]]},
+      {:expand_dims, [17, [0]]},
+      {:reshape, [18, {3, 8}]}
+    ]
+
+    p = Program.new(instrs, inputs: 1, outputs: [2, 4, 7, 9, 11, 12, 13, 16, 19])
+
+    for i <- 1..4 do
+      x = random({2, 1, 3, 4}, 200 + i)
+      st = s()
+      r = fn a, shape -> N.reshape(st, a, shape) end
+      tr = fn a, axes -> N.transpose(st, a, axes) end
+      flat = r.(x, {24})
+
+      expected = [
+        r.(x, {2, 12}),
+        r.(x, {6, 4}),
+        N.add(st, x, x),
+        r.(tr.(x, [0, 1, 3, 2]), {2, 12}),
+        r.(x, {4, 6}),
+        N.add(st, flat, flat),
+        r.(x, {8, 3}),
+        flat,
+        r.(tr.(x, [2, 1, 0, 3]), {3, 8})
+      ]
+
+      outs = Program.run(p, [x])
+
+      for {out, want} <- Enum.zip(outs, expected) do
+        assert Emily.shape(out) == Emily.shape(want)
+        assert l(out) == l(want)
+      end
+    end
+
+    assert tapes(p) == 1
+  end
+
   test "eval/3 rebuilds from the tape too" do
     p = Program.new(Sample.instructions(), inputs: 3)
     [x, w, k] = Sample.inputs()

@@ -2,10 +2,12 @@
 #include "tape.h"
 
 #include <algorithm>
+#include <cstring>
 #include <unordered_map>
 #include <utility>
 
 #include "hash.h"
+#include "mlx/primitives.h"
 
 namespace emily {
 namespace mx = mlx::core;
@@ -120,6 +122,106 @@ std::vector<array> Tapes::rebuild(const Tape& t, const std::vector<array>& input
   return out;
 }
 
+// A view that keeps its input's elements in order (a reshape, an added or removed unit
+// axis, a transpose that moves only unit axes): a chain of them computes one reshape.
+static bool keeps_order(const mx::Primitive& p, const mx::Shape& in) {
+  // (By name: libmlx exports no type information for its primitives.)
+  const char* name = p.name();
+  if (!std::strcmp(name, "Reshape") || !std::strcmp(name, "ExpandDims") || !std::strcmp(name, "Squeeze")) return true;
+  if (std::strcmp(name, "Transpose")) return false;
+  int last = -1;
+  for (int axis : static_cast<const mx::Transpose&>(p).state()) {
+    if (in[axis] == 1) continue;
+    if (axis < last) return false;
+    last = axis;
+  }
+  return true;
+}
+
+// Folds each chain of order-keeping views whose inner links nothing else reads into one
+// reshape of the chain's start, and drops the inner links. Bumblebee's graphs are full of
+// them (a product's output reshaped to [B, L, N], then to [B, L, heads, D]; a head axis
+// moved past a unit one, then merged), and every node costs the host the same to
+// rebuild and MLX the same to encode, whether it computes or not. A reshape of the start
+// computes the chain's values (a copy where the start's layout allows no view, as any
+// reshape).
+static void fold_views(Tape& t, const std::vector<array>& inputs) {
+  // Each value's node, shape and readers (the outputs count as readers).
+  std::vector<uint32_t> node_of;
+  std::vector<const mx::Shape*> shape;
+  for (uint32_t i = 0; i < t.nodes.size(); i++)
+    for (auto& sh : t.nodes[i].shapes) {
+      node_of.push_back(i);
+      shape.push_back(&sh);
+    }
+  std::vector<uint32_t> readers(t.values, 0);
+  for (auto& n : t.nodes)
+    for (auto r : n.inputs)
+      if (r.kind == Tape::kValue) readers[r.index]++;
+  for (auto r : t.outputs)
+    if (r.kind == Tape::kValue) readers[r.index]++;
+  auto shape_of = [&](Tape::Ref r) -> const mx::Shape& {
+    switch (r.kind) {
+      case Tape::kInput: return inputs[r.index].shape();
+      case Tape::kValue: return *shape[r.index];
+      default: return t.constants[r.index].shape();
+    }
+  };
+
+  // A node folded into its reader is dropped; a chain that ends in its start's shape is
+  // dropped whole, its readers reading the start.
+  std::vector<bool> dropped(t.nodes.size(), false);
+  std::vector<std::pair<uint32_t, Tape::Ref>> same;
+  for (uint32_t i = 0; i < t.nodes.size(); i++) {
+    auto& n = t.nodes[i];
+    if (n.inputs.size() != 1 || n.shapes.size() != 1 || n.inputs[0].kind != Tape::kValue) continue;
+    uint32_t v = n.inputs[0].index;
+    auto& inner = t.nodes[node_of[v]];
+    if (dropped[node_of[v]] || readers[v] != 1 || inner.inputs.size() != 1 || inner.shapes.size() != 1) continue;
+    if (!keeps_order(*n.primitive, *shape[v]) || !keeps_order(*inner.primitive, shape_of(inner.inputs[0]))) continue;
+    auto start = inner.inputs[0];
+    dropped[node_of[v]] = true;
+    if (shape_of(start) == n.shapes[0]) {
+      dropped[i] = true;
+      same.emplace_back(i, start);
+      continue;
+    }
+    n.inputs[0] = start;
+    if (std::strcmp(n.primitive->name(), "Reshape")) {
+      auto s = n.primitive->stream();
+      n.primitive = mx::reshape(mx::zeros(shape_of(start), n.dtypes[0], s), n.shapes[0], s).primitive_ptr();
+    }
+  }
+  if (same.empty() && std::find(dropped.begin(), dropped.end(), true) == dropped.end()) return;
+
+  // Renumber the values that remain.
+  std::vector<Tape::Ref> renumbered(t.values);
+  std::vector<Tape::Node> kept;
+  uint32_t next = 0, v = 0;
+  auto remap = [&](Tape::Ref& r) {
+    if (r.kind == Tape::kValue) r = renumbered[r.index];
+  };
+  auto whole = same.begin();
+  for (uint32_t i = 0; i < t.nodes.size(); i++) {
+    if (whole != same.end() && whole->first == i) {
+      // (The start comes before: renumbered already.)
+      remap(whole->second);
+      renumbered[v++] = whole->second;
+      whole++;
+      continue;
+    }
+    for (size_t k = 0; k < t.nodes[i].shapes.size(); k++, v++)
+      renumbered[v] = Tape::Ref{Tape::kValue, dropped[i] ? UINT32_MAX : next++};
+    if (!dropped[i]) {
+      for (auto& r : t.nodes[i].inputs) remap(r);
+      kept.push_back(std::move(t.nodes[i]));
+    }
+  }
+  for (auto& r : t.outputs) remap(r);
+  t.nodes = std::move(kept);
+  t.values = next;
+}
+
 // Walks the graphs of `out` (nothing evaluated yet) down to the inputs and to arrays the
 // replay did not compute (constants), and lists the nodes inputs first.
 static std::shared_ptr<Tape> record(const std::vector<array>& inputs, const std::vector<array>& out) {
@@ -153,6 +255,7 @@ static std::shared_ptr<Tape> record(const std::vector<array>& inputs, const std:
     t->nodes.push_back(std::move(n));
   }
   for (auto& o : out) t->outputs.push_back(refs.at(o.id()));
+  fold_views(*t, inputs);
   return t;
 }
 

@@ -7,8 +7,9 @@
 // decoding loop runs the same program thousands of times). A tape keeps what those ops
 // produced: each node's primitive (shared, as mx::compile's tapes share theirs), its
 // output shapes and dtypes, and where each of its inputs comes from (a program input,
-// an earlier node, or a constant the replay made, such as a scalar). Rebuilding is then
-// one array construction a node.
+// an earlier node, or a constant the replay made, such as a scalar), with each chain of
+// views that keep the elements' order folded into one reshape (tape.cc). Rebuilding is
+// then one array construction a node.
 //
 // What a replay builds depends on nothing but the key below. MLX's ops read only their
 // inputs' shapes and dtypes; Emily's also read an evaluated input's layout (the CUDA
