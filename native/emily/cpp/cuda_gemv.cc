@@ -1,5 +1,6 @@
-// A decoding step's products on MLX's CUDA backend: x (M, K), M <= 8, times a weight
-// stored (K, N), the layout of Axon's and Bumblebee's dense kernels.
+// A decoding step's products on MLX's CUDA backend: x (M, K), M <= 8, or one row of any
+// shape (..., K), times a weight stored (K, N), the layout of Axon's and Bumblebee's dense
+// kernels.
 //
 // MLX has its own gemv kernel only for a weight stored (N, K) (x · Wᵀ, PyTorch's and
 // mlx-lm's layout); for (K, N) it calls cuBLAS, which it captures into a CUDA graph of
@@ -84,9 +85,9 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxWeights = 3;
 
 // The kernel of x (m rows of type t) times weights of `tiles` (each weight's tiles, in
-// order): parameters x, w0, w1, ..., out0, out1, ..., x's strides (x is read where it
-// lies), then each weight's K and N.
-cuda::Kernel gemv_kernel(mx::Dtype t, int m, const std::vector<int>& tiles) {
+// order): parameters x, w0, w1, ..., out0, out1, ..., x's strides along its rows and its
+// last axis (x is read where it lies), then each weight's K and N.
+cuda::Kernel gemv_kernel(mx::Dtype t, int m, int last_axis, const std::vector<int>& tiles) {
   int n = static_cast<int>(tiles.size()), total = 0;
   std::string src = cuda::kTypes;
   src += "using T = " + std::string(cuda::type_name(t)) + ";\nconstexpr int M = " + std::to_string(m) +
@@ -104,7 +105,7 @@ cuda::Kernel gemv_kernel(mx::Dtype t, int m, const std::vector<int>& tiles) {
   }
   sig += ", long long xs0, long long xs1";
   params.push_back({cuda::Param::Stride, 0, 0});
-  params.push_back({cuda::Param::Stride, 0, 1});
+  params.push_back({cuda::Param::Stride, 0, last_axis});
   for (int i = 0; i < n; i++) {
     auto w = std::to_string(i);
     sig += ", int K" + w + ", int N" + w;
@@ -128,9 +129,13 @@ bool supported(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t 
 bool cuda_gemv_applies(const array& x, const array& b, const Stream& s) {
   static const bool cuda = mx::cu::is_available();
   if (!cuda || s.device != mx::Device::gpu || !cuda::available()) return false;
-  if (x.ndim() != 2 || b.ndim() != 2 || x.shape(1) != b.shape(0)) return false;
-  int m = x.shape(0), k = x.shape(1), n = b.shape(1);
-  if (m < 1 || m > kMaxRows || k < 1 || n < 1) return false;
+  if (x.ndim() < 1 || b.ndim() != 2 || x.shape(-1) != b.shape(0)) return false;
+  int k = x.shape(-1), n = b.shape(1);
+  if (k < 1 || n < 1) return false;
+  // Rows: a matrix's (at most kMaxRows), or one row of any shape (its axes before the last
+  // all 1), read along its last axis.
+  size_t m = x.size() / k;
+  if (x.ndim() == 2 ? m < 1 || m > kMaxRows : m != 1) return false;
   if (x.dtype() != b.dtype() || !supported(x.dtype())) return false;
   // The weight's layout is known once it is evaluated (a program's input, a parameter);
   // one stored transposed is MLX's own gemv case, and a lazy one is left to MLX.
@@ -141,23 +146,26 @@ array cuda_gemv(const array& x, const array& b, const Stream& s) { return cuda_g
 
 std::vector<array> cuda_gemvs(const array& x, const std::vector<array>& bs, const Stream& s) {
   std::vector<array> out;
+  int m = static_cast<int>(x.size() / x.shape(-1)), last = static_cast<int>(x.ndim()) - 1;
+  mx::Shape rows(x.shape().begin(), x.shape().end() - 1);
   for (size_t first = 0; first < bs.size(); first += kMaxWeights) {
     int n = static_cast<int>(std::min<size_t>(kMaxWeights, bs.size() - first));
-    int m = x.shape(0);
     std::vector<array> inputs{x};
     std::vector<mx::Shape> shapes;
     std::vector<mx::Dtype> types;
     std::vector<int> tiles;
-    std::string key = "gemv " + std::to_string(static_cast<int>(x.dtype().val())) + " " + std::to_string(m);
+    std::string key = "gemv " + std::to_string(static_cast<int>(x.dtype().val())) + " " + std::to_string(m) + " " +
+                      std::to_string(last);
     for (int i = 0; i < n; i++) {
       const array& b = bs[first + i];
       tiles.push_back((b.shape(1) + 32 * kColumns - 1) / (32 * kColumns));
       key += " " + std::to_string(tiles.back());
       inputs.push_back(b);
-      shapes.push_back({m, b.shape(1)});
+      shapes.push_back(rows);
+      shapes.back().push_back(b.shape(1));
       types.push_back(x.dtype());
     }
-    auto& kernel = cuda::instance(key, [&] { return gemv_kernel(x.dtype(), m, tiles); });
+    auto& kernel = cuda::instance(key, [&] { return gemv_kernel(x.dtype(), m, last, tiles); });
     auto part = cuda::launch(kernel, inputs, shapes, types, s);
     out.insert(out.end(), part.begin(), part.end());
   }

@@ -12,8 +12,9 @@
 
 namespace emily {
 
-// `mx::matmul(x, b, s)` for x of shape (M, K) with 1 <= M <= 8 and b an evaluated
-// row-contiguous (K, N), K and N nonzero, both f32, bf16 or f16 (cuda_gemv.cc).
+// `mx::matmul(x, b, s)` for x of shape (M, K) with 1 <= M <= 8, or one row of any shape
+// (..., K), and b an evaluated row-contiguous (K, N), K and N nonzero, both f32, bf16 or
+// f16 (cuda_gemv.cc). The result is shaped as x, its last axis N.
 bool cuda_gemv_applies(const array& x, const array& b, const Stream& s);
 // Summed in f32 and rounded once.
 array cuda_gemv(const array& x, const array& b, const Stream& s);

@@ -167,6 +167,11 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
   mx::Shape shape_a(batch), shape_b(batch);
   shape_a.insert(shape_a.end(), {m, k});
   shape_b.insert(shape_b.end(), {k, n});
+  // One row that Emily's CUDA kernel multiplies goes to it as it is shaped: a decoding
+  // step's x (B, 1, K) and result (B, 1, N) would be two more nodes as a matrix.
+  if (inexact && batch.empty() && m == 1 && ca.size() == 1 && ca[0] == static_cast<int>(a.ndim()) - 1 &&
+      b.ndim() == 2 && cb[0] == 0 && cuda_gemv_applies(a, b, s))
+    return cuda_gemv(a, b, s);
   auto at = mx::reshape(transpose_if_moved(a, perm_a, s), shape_a, s);
   auto bt = mx::reshape(transpose_if_moved(b, perm_b, s), shape_b, s);
 
@@ -200,14 +205,16 @@ std::vector<array> dots(const array& x, int axis, const std::vector<array>& ws, 
   for (const auto& w : ws)
     if (w.ndim() != 2 || w.shape(0) != x.shape(-1) || w.dtype() != x.dtype()) return each();
   int k = x.shape(-1);
-  auto x2 = mx::reshape(x, {static_cast<int>(x.size() / k), k}, s);
-  auto all = [&](auto applies) {
-    return std::all_of(ws.begin(), ws.end(), [&](const array& w) { return applies(x2, w, s); });
+  auto all = [&](const array& rows, auto applies) {
+    return std::all_of(ws.begin(), ws.end(), [&](const array& w) { return applies(rows, w, s); });
   };
+  // (One row goes to the CUDA kernel as it is shaped, as in dot_general.)
+  if (x.size() == static_cast<size_t>(k) && all(x, cuda_gemv_applies)) return cuda_gemvs(x, ws, s);
+  auto x2 = mx::reshape(x, {static_cast<int>(x.size() / k), k}, s);
   std::vector<array> out;
-  if (all(row_gemv_applies)) {
+  if (all(x2, row_gemv_applies)) {
     out = row_gemvs(x2, ws, s);
-  } else if (all(cuda_gemv_applies)) {
+  } else if (all(x2, cuda_gemv_applies)) {
     out = cuda_gemvs(x2, ws, s);
   } else {
     return each();
