@@ -14,8 +14,9 @@ Per process it prints, as medians over the passes: the period (from one argmax k
 end to the next's, the device's time per token), the device's busy time within it (the
 union of its activities), the idle rest and how it splits into gaps between activities
 (a gap of a few microseconds is a kernel's launch within a CUDA graph; a long one is the
-device waiting for the host to launch the next graph), and the kernels a pass; then the
-kernels by name, each's count and time a pass.
+device waiting for the host to launch the next graph), and the kernels a pass; where the
+long gaps lie (the activities on each side, by their place in the pass); then the kernels
+by name, each's count and time a pass.
 """
 
 import argparse
@@ -78,11 +79,12 @@ def passes(burst, marker):
 def pass_figures(acts, window_start):
     window_end = acts[-1][1]
     busy, gaps, cursor, graph = 0, [], window_start, None
-    for start, end, _kind, g, _what in acts:
+    for i, (start, end, _kind, g, _what) in enumerate(acts):
         start = max(start, window_start)
         if start > cursor:
-            # (gap, whether it lies between two graphs' nodes or within one graph)
-            gaps.append((start - cursor, g != graph or g == 0))
+            # (gap, whether it lies between two graphs' nodes or within one graph, the
+            # index of the activity after it)
+            gaps.append((start - cursor, g != graph or g == 0, i))
         if end > cursor:
             busy += end - max(start, cursor)
             cursor = end
@@ -113,16 +115,21 @@ def report(path, args, marker):
         [] for _ in range(8)
     )
     by_name = defaultdict(lambda: [0, 0])
+    long_gaps = defaultdict(list)
     for start, p in kept:
         period, busy, gaps = pass_figures(p, start)
         periods.append(period)
         busies.append(busy)
         idles.append(period - busy)
         kernels.append(sum(1 for a in p if a[2] == "k"))
-        small.append(sum(g for g, _ in gaps if g < args.launch_gap_us * 1e3))
-        large.append(sum(g for g, _ in gaps if g >= args.launch_gap_us * 1e3))
-        between.append(sum(g for g, outside in gaps if outside))
-        longest.append(max((g for g, _ in gaps), default=0))
+        small.append(sum(g for g, _, _ in gaps if g < args.launch_gap_us * 1e3))
+        large.append(sum(g for g, _, _ in gaps if g >= args.launch_gap_us * 1e3))
+        between.append(sum(g for g, outside, _ in gaps if outside))
+        longest.append(max((g for g, _, _ in gaps), default=0))
+        for g, _, i in gaps:
+            if g >= args.launch_gap_us * 1e3:
+                where = (i, short_name(p[i - 1][4], 40) if i else "(the pass's start)", short_name(p[i][4], 40))
+                long_gaps[where].append(g)
         for a in p:
             key = (
                 short_name(a[4])
@@ -148,6 +155,15 @@ def report(path, args, marker):
         f"{med(large):.1f} | {med(between):.1f} | {med(longest):.1f} | "
         f"{statistics.median(kernels):.0f} |"
     )
+    print(f"\nwhere the gaps of {gap:g} us or more lie (by the activity's index in the pass):\n")
+    print("| before activity (index: name) | after | passes with it | median us | us a pass |")
+    print("|---|---|---|---|---|")
+    spots = sorted(long_gaps.items(), key=lambda kv: -sum(kv[1]))
+    for (i, before, after), gs in spots[:8]:
+        print(
+            f"| {i}: {after} | {before} | {len(gs)} | {statistics.median(gs) / 1e3:.1f} "
+            f"| {sum(gs) / n / 1e3:.1f} |"
+        )
     total = sum(t for _, t in by_name.values())
     print(f"\nby name, a pass (of {total / n / 1e3:.1f} us of activity):\n")
     print("| name | count | us each | us a pass | share |")
