@@ -230,8 +230,7 @@ alias Bench.Decode, as: D
 
 argv = System.argv()
 bumblebee? = Code.ensure_loaded?(Bumblebee)
-cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
-dir = D.option(argv, "dir", Path.join(cache, "bench-models"))
+dir = D.models_dir(argv)
 only = D.option(argv, "only", "qwen,bert") |> String.split(",")
 types = D.option(argv, "types", "f32,bf16") |> String.split(",") |> Enum.map(&String.to_atom/1)
 new = D.option(argv, "new", "64") |> String.to_integer()
@@ -263,12 +262,7 @@ IO.puts(
     "read #{D.f(bw[:read_gbs], 1)} GB/s (sum, PyTorch)\n"
 )
 
-# A 128-character ASCII prompt: 128 tokens.
-prompt =
-  "Emily runs Nx on MLX through a Rust NIF; this prompt is exactly one hundred and " <>
-    "twenty-eight bytes long, one token per byte. OK!"
-
-128 = byte_size(prompt)
+prompt = D.prompt()
 ids_file = Path.join(System.tmp_dir!(), "bench_models_ids_#{System.unique_integer([:positive])}")
 # (bench/make_models.py's tokenizer gives each byte its value as id: Emily's side checks.)
 File.write!(ids_file, prompt |> :binary.bin_to_list() |> Enum.join(" "))

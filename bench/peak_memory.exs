@@ -19,9 +19,8 @@ Code.require_file("support/decode.exs", __DIR__)
 alias Bench.Decode, as: D
 
 argv = System.argv()
-cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
 type = D.option(argv, "type", "bf16")
-dir = Path.join(D.option(argv, "dir", Path.join(cache, "bench-models")), "qwen3-#{type}")
+dir = Path.join(D.models_dir(argv), "qwen3-#{type}")
 calls = D.option(argv, "calls", "3") |> String.to_integer()
 new = D.option(argv, "new", "64") |> String.to_integer()
 lean? = "--lean" in argv
@@ -66,8 +65,7 @@ if lean? do
   Emily.Memory.set_cache_limit(0)
 end
 
-prompt =
-  String.duplicate("The quick brown fox jumps over the lazy dog. ", 3) |> binary_part(0, 128)
+prompt = D.prompt()
 
 {_pid, name} = D.start_generation(info, dir, prompt, new)
 report.("serving started#{if lean?, do: " (lean)", else: ""}")

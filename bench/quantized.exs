@@ -206,8 +206,7 @@ alias Bench.Decode, as: D
 argv = System.argv()
 bumblebee? = Code.ensure_loaded?(Bumblebee)
 gpu? = Emily.default_device() == :gpu
-cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
-dir = D.option(argv, "dir", Path.join(cache, "bench-models"))
+dir = D.models_dir(argv)
 ckpt = Path.join(dir, "qwen3-bf16")
 new = D.option(argv, "new", "64") |> String.to_integer()
 tied = D.option(argv, "tied", "shared")
@@ -219,12 +218,7 @@ mode_names = %{
   "dequantized-f32" => :dequantized_f32
 }
 
-# A 128-character ASCII prompt: 128 tokens.
-prompt =
-  "Emily runs Nx on MLX through a Rust NIF; this prompt is exactly one hundred and " <>
-    "twenty-eight bytes long, one token per byte. OK!"
-
-128 = byte_size(prompt)
+prompt = D.prompt()
 
 case D.option(argv, "child", nil) do
   nil ->

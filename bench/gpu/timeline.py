@@ -128,8 +128,8 @@ def report(path, args, marker):
         longest.append(max((g for g, _, _ in gaps), default=0))
         for g, _, i in gaps:
             if g >= args.launch_gap_us * 1e3:
-                where = (i, short_name(p[i - 1][4], 40) if i else "(the pass's start)", short_name(p[i][4], 40))
-                long_gaps[where].append(g)
+                previous = short_name(p[i - 1][4], 40) if i else "(the pass's start)"
+                long_gaps[(i, short_name(p[i][4], 40), previous)].append(g)
         for a in p:
             key = (
                 short_name(a[4])
@@ -156,12 +156,12 @@ def report(path, args, marker):
         f"{statistics.median(kernels):.0f} |"
     )
     print(f"\nwhere the gaps of {gap:g} us or more lie (by the activity's index in the pass):\n")
-    print("| before activity (index: name) | after | passes with it | median us | us a pass |")
+    print("| the activity after the gap (index: name) | the one before | passes with it | median us | us a pass |")
     print("|---|---|---|---|---|")
     spots = sorted(long_gaps.items(), key=lambda kv: -sum(kv[1]))
-    for (i, before, after), gs in spots[:8]:
+    for (i, name, previous), gs in spots[:8]:
         print(
-            f"| {i}: {after} | {before} | {len(gs)} | {statistics.median(gs) / 1e3:.1f} "
+            f"| {i}: {name} | {previous} | {len(gs)} | {statistics.median(gs) / 1e3:.1f} "
             f"| {sum(gs) / n / 1e3:.1f} |"
         )
     total = sum(t for _, t in by_name.values())

@@ -1,6 +1,7 @@
-# What bench/models.exs and bench/quantized.exs share: their command-line options, the
-# process's memory, the tables' number formats, the comparison of token ids, and the
-# per-token breakdown of a traced Bumblebee generation on Emily.
+# What bench/models.exs, bench/quantized.exs and bench/peak_memory.exs share: their
+# command-line options, the checkpoints and the prompt, the process's memory, the tables'
+# number formats, the comparison of token ids, and the per-token breakdown of a traced
+# Bumblebee generation on Emily.
 defmodule Bench.Decode do
   @moduledoc false
 
@@ -15,6 +16,19 @@ defmodule Bench.Decode do
 
   def list_option(argv, name, default),
     do: argv |> option(name, default) |> String.split(",", trim: true)
+
+  # The folder of bench/make_models.py's checkpoints: `--dir`, by default
+  # $EMILY_CACHE/bench-models.
+  def models_dir(argv) do
+    cache = System.get_env("EMILY_CACHE", Path.expand("~/.cache/emily"))
+    option(argv, "dir", Path.join(cache, "bench-models"))
+  end
+
+  # A 128-character ASCII prompt: 128 tokens of bench/make_models.py's byte-level tokenizer.
+  @prompt "Emily runs Nx on MLX through a Rust NIF; this prompt is exactly one hundred and " <>
+            "twenty-eight bytes long, one token per byte. OK!"
+  128 = byte_size(@prompt)
+  def prompt, do: @prompt
 
   def load_average,
     do: File.read!("/proc/loadavg") |> String.split() |> Enum.take(3) |> Enum.join(" ")

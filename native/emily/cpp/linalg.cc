@@ -169,8 +169,9 @@ array dot_general(const array& a, const std::vector<int>& contract_a, const std:
   shape_b.insert(shape_b.end(), {k, n});
   // One row that Emily's CUDA kernel multiplies goes to it as it is shaped: a decoding
   // step's x (B, 1, K) and result (B, 1, N) would be two more nodes as a matrix.
-  if (inexact && batch.empty() && m == 1 && ca.size() == 1 && ca[0] == static_cast<int>(a.ndim()) - 1 &&
-      b.ndim() == 2 && cb[0] == 0 && cuda_gemv_applies(a, b, s))
+  // (cuda_gemv_applies takes floating types only.)
+  if (batch.empty() && m == 1 && ca.size() == 1 && ca[0] == static_cast<int>(a.ndim()) - 1 && b.ndim() == 2 &&
+      cb[0] == 0 && cuda_gemv_applies(a, b, s))
     return cuda_gemv(a, b, s);
   auto at = mx::reshape(transpose_if_moved(a, perm_a, s), shape_a, s);
   auto bt = mx::reshape(transpose_if_moved(b, perm_b, s), shape_b, s);
