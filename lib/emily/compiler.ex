@@ -168,9 +168,9 @@ if Code.ensure_loaded?(Nx) do
     Keys and values repeated over grouped heads and then written into a cache
     (Bumblebee's `put_slice` of `repeat_interleave(x, g, axis: 2)` into a cache of all
     the query heads, as its grouped-query models cache them) are written from the
-    unrepeated tensor, broadcast over the repeats into the cache viewed with its head
-    axis split in two: the same elements, without the copy that materialises the
-    repeat. Any type.
+    unrepeated tensor, without the copy that materialises the repeat: the same
+    elements, any type. At a position computed on the device (a decoding step's), that
+    is one instruction, on a CUDA GPU one kernel writing into the cache's buffer.
 
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as

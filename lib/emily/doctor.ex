@@ -46,7 +46,10 @@ defmodule Emily.Doctor do
 
     if String.starts_with?(variant, "cuda") do
       info("CUDA headers for MLX's JIT: #{cuda_headers(site, variant)}")
-      info("Emily's CUDA kernels (a decoding step's products and attention): #{cuda_kernels()}")
+
+      info(
+        "Emily's CUDA kernels (a decoding step's products, attention and cache updates): #{cuda_kernels()}"
+      )
     end
 
     info("MLX's compiled kernels: #{Emily.KernelCache.dir()} (private; see Emily.KernelCache)")

@@ -162,6 +162,89 @@ defmodule Emily.Native.IndexTest do
       assert Enum.map(gpu_outs, &l/1) == Enum.map(cpu_outs, &l/1)
     end
 
+    # A {2, 5, 4, 3} cache of 4 heads written from 2 heads, each standing for 2: the
+    # update materialised by a broadcast, written by slice_update_dynamic.
+    defp repeated_case(stream \\ nil) do
+      stream = stream || s()
+      a = t(Enum.map(0..(2 * 5 * 4 * 3 - 1), &(&1 * 1.0)), {:f, 32}, {2, 5, 4, 3})
+      u = t(Enum.map(1..(2 * 1 * 2 * 3), &(-&1 * 1.0)), {:f, 32}, {2, 1, 2, 3})
+
+      full =
+        N.reshape(stream, u, {2, 1, 2, 1, 3})
+        |> then(&N.broadcast_to(stream, &1, {2, 1, 2, 2, 3}))
+        |> then(&N.reshape(stream, &1, {2, 1, 4, 3}))
+
+      {a, u, full}
+    end
+
+    test "repeated along an axis: the repeated update's values, clamped like Nx" do
+      {a, u, full} = repeated_case()
+
+      for {starts, axes} <- [{[3], [1]}, {[9], [1]}, {[-2], [1]}, {[1, 2, 3, 0], [0, 1, 2, 3]}] do
+        want = l(N.slice_update_dynamic(s(), a, full, i32(starts), axes))
+        assert l(N.slice_update_repeated(s(), a, u, i32(starts), axes, 2, 2)) == want
+        assert l(N.slice_update_repeated(s(), a, u, i32(starts), axes, -2, 2)) == want
+      end
+
+      # One repeat is the plain update.
+      want = l(N.slice_update_dynamic(s(), a, full, t([4], {:s, 64}), [1]))
+      assert l(N.slice_update_repeated(s(), a, full, t([4], {:s, 64}), [1], 0, 1)) == want
+    end
+
+    test "repeated along an axis: errors" do
+      {a, u, _full} = repeated_case()
+
+      # One head twice: two of the four.
+      one_head = N.slice(s(), u, [0, 0, 0, 0], [2, 1, 1, 3], [1, 1, 1, 1])
+
+      assert_raise Emily.Error, ~r/must cover it/, fn ->
+        l(N.slice_update_repeated(s(), a, one_head, i32([0]), [1], 2, 2))
+      end
+
+      assert_raise Emily.Error, ~r/does not fit/, fn ->
+        l(N.slice_update_repeated(s(), a, u, i32([0]), [1], 2, 3))
+      end
+
+      assert_raise Emily.Error, ~r/repeats must be positive/, fn ->
+        l(N.slice_update_repeated(s(), a, u, i32([0]), [1], 2, 0))
+      end
+
+      assert_raise Emily.Error, ~r/out of range/, fn ->
+        l(N.slice_update_repeated(s(), a, u, i32([0]), [1], 4, 2))
+      end
+
+      alive!()
+    end
+
+    # On a GPU the repeated update is Emily's kernel (cpp/cuda_put_slice.cc), which writes
+    # in place where the cache may be donated (an intermediate of a program) and copies
+    # it first where not (a tensor the caller holds): both the CPU's values, for types of
+    # each width, clamped starts and int32 and int64 starts.
+    @tag :gpu
+    test "repeated along an axis on a GPU: the CPU's values, in place and copied" do
+      gpu = Emily.Stream.default(:gpu)
+      {a, u, full} = repeated_case()
+
+      on_gpu = fn t ->
+        Emily.from_binary(Emily.to_binary(t), Emily.shape(t), Emily.dtype(t), stream: gpu)
+      end
+
+      # The cache as maximum(a, a): an intermediate no one else holds.
+      instrs = [{:maximum, [0, 0]}, {:slice_update_repeated, [3, 1, 2, [1], 2, 2]}]
+
+      for type <- [{:f, 32}, {:bf, 16}, {:s, 64}, {:u, 8}],
+          starts <- [i32([3]), i32([-2]), t([7], {:s, 64})] do
+        [a, u, full] = Enum.map([a, u, full], &N.astype(s(), &1, type))
+        want = l(N.slice_update_dynamic(s(), a, full, starts, [1]))
+        [ga, gu, gi] = Enum.map([a, u, starts], on_gpu)
+        assert l(N.slice_update_repeated(gpu, ga, gu, gi, [1], 2, 2)) == want, inspect(type)
+
+        program = Emily.Program.new(instrs, inputs: 3, outputs: [4])
+        [out] = Emily.Program.run(program, [ga, gu, gi], stream: gpu)
+        assert l(out) == want, inspect({type, :in_place})
+      end
+    end
+
     test "errors", %{x: x} do
       assert_raise Emily.Error, ~r/slice_update/, fn ->
         l(N.slice_update(s(), x, i32([1, 2, 3], {1, 3}), [0, 0], [1, 2], [1, 1]))

@@ -31,4 +31,14 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
 array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
                      const Stream& s);
 
+// `slice_update_repeated(a, update, starts, axes, axis, repeats)` (index.h) for `a` of
+// rank 1 to 8 and an update of its type (1, 2, 4 or 8 bytes, not empty), with an int32
+// or int64 vector of starts, one per entry of `axes` (not empty) (cuda_put_slice.cc).
+bool cuda_put_slice_applies(const array& a, const array& update, const array& starts, const std::vector<int>& axes,
+                            const Stream& s);
+// One node, writing in place where `a` may be donated; the starts clamped as Nx clamps
+// them.
+array cuda_put_slice(const array& a, const array& update, const array& starts, const std::vector<int>& axes, int axis,
+                     int repeats, const Stream& s);
+
 }  // namespace emily

@@ -91,6 +91,21 @@ const char* type_name(mx::Dtype t) {
   }
 }
 
+const char* bits_type(size_t bytes) {
+  switch (bytes) {
+    case 1:
+      return "unsigned char";
+    case 2:
+      return "unsigned short";
+    case 4:
+      return "unsigned int";
+    case 8:
+      return "unsigned long long";
+    default:
+      throw std::invalid_argument("[cuda kernel] no storage type of this size");
+  }
+}
+
 #if EMILY_CUDA_LAUNCH
 
 namespace {
@@ -252,9 +267,97 @@ struct Instance {
 
 namespace {
 
+// The copy that fills an in-place kernel's output where it cannot take its input's buffer:
+// input `in` of rank `rank` and `size` elements of `bytes` bytes, read through its
+// strides, written row-contiguous to output 0.
+constexpr const char* kCopySource = R"(
+extern "C" __global__ void emily_copy(T* out, const T* in, ARGS) {
+  const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= SIZE) return;
+  const int dims[RANK] = {DIMS};
+  const long long strides[RANK] = {STRIDES};
+  long long rest = n, from = 0;
+#pragma unroll
+  for (int k = RANK - 1; k >= 0; --k) {
+    from += rest % dims[k] * strides[k];
+    rest /= dims[k];
+  }
+  out[n] = in[from];
+}
+)";
+
+constexpr unsigned kCopyBlock = 256;
+
+Instance& copy_kernel(int in, const array& a) {
+  int rank = a.ndim();
+  auto num = [](auto v) { return std::to_string(v); };
+  std::string key = "copy " + num(in) + " " + num(rank) + " " + num(a.itemsize()) + " " + num(a.size());
+  return instance(key, [&] {
+    std::string args, dims, strides;
+    using P = Param;
+    std::vector<P> params{{P::Output, 0}, {P::Input, in}};
+    for (int k = 0; k < rank; k++) {
+      args += (k ? ", int d" : "int d") + num(k);
+      dims += (k ? ", d" : "d") + num(k);
+      params.push_back({P::Dim, in, k});
+    }
+    for (int k = 0; k < rank; k++) {
+      args += ", long long s" + num(k);
+      strides += (k ? ", s" : "s") + num(k);
+      params.push_back({P::Stride, in, k});
+    }
+    std::string src = kTypes;
+    src += "using T = " + std::string(bits_type(a.itemsize())) + ";\n#define RANK " + num(rank) + "\n#define SIZE " +
+           num(a.size()) + "LL\n#define ARGS " + args + "\n#define DIMS " + dims + "\n#define STRIDES " + strides + "\n";
+    src += kCopySource;
+    auto blocks = static_cast<unsigned>((a.size() + kCopyBlock - 1) / kCopyBlock);
+    return Kernel{"emily_copy", std::move(src), std::move(params), {blocks, 1, 1}, {kCopyBlock, 1, 1}};
+  });
+}
+
+// One node of `k` on the encoder, reading `inputs` and writing `outputs` (whose data is
+// set).
+void add_node(Instance& k, const std::vector<array>& inputs, std::vector<array>& outputs,
+              mx::cu::CommandEncoder& encoder) {
+  std::call_once(k.compiled, [&] { k.function = compile(k.kernel, encoder.device()); });
+  // Each parameter's value in a slot of its own, as the node reads it: pointers and
+  // long longs fill a slot, ints its first four bytes.
+  const auto& params = k.kernel.params;
+  std::vector<int64_t> slots(params.size());
+  std::vector<void*> pointers(params.size());
+  for (size_t i = 0; i < params.size(); i++) {
+    const Param& p = params[i];
+    void* slot = &slots[i];
+    switch (p.kind) {
+      case Param::Input:
+        *static_cast<const void**>(slot) = mx::gpu_ptr<void>(inputs[p.index]);
+        break;
+      case Param::Output:
+        *static_cast<void**>(slot) = mx::gpu_ptr<void>(outputs[p.index]);
+        break;
+      case Param::Dim:
+        *static_cast<int32_t*>(slot) = inputs[p.index].shape(p.axis);
+        break;
+      case Param::Stride:
+        *static_cast<int64_t*>(slot) = inputs[p.index].strides(p.axis);
+        break;
+      case Param::Int:
+        *static_cast<int32_t*>(slot) = p.value;
+        break;
+    }
+    pointers[i] = slot;
+  }
+  // The graph orders nodes by the buffers they read and write.
+  for (const auto& in : inputs) encoder.set_input_array(in);
+  for (const auto& out : outputs) encoder.set_output_array(out);
+  const auto& [gx, gy, gz] = k.kernel.grid;
+  const auto& [bx, by, bz] = k.kernel.block;
+  encoder.add_kernel_node_raw(k.function, dim3(gx, gy, gz), dim3(bx, by, bz), dim3(1, 1, 1), 0, pointers.data());
+}
+
 class Launch : public mx::Primitive {
  public:
-  Launch(mx::Stream s, Instance& k) : mx::Primitive(s), k_(k) {}
+  Launch(mx::Stream s, Instance& k, Instance* fill) : mx::Primitive(s), k_(k), fill_(fill) {}
 
   void eval_cpu(const std::vector<array>&, std::vector<array>&) override {
     throw std::runtime_error("[cuda kernel] " + k_.kernel.entry + " runs on a GPU stream only");
@@ -262,53 +365,36 @@ class Launch : public mx::Primitive {
 
   void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     auto& encoder = mx::cu::get_command_encoder(stream());
-    std::call_once(k_.compiled, [&] { k_.function = compile(k_.kernel, encoder.device()); });
     const Api& a = api();
-    for (auto& out : outputs) out.set_data(a.malloc_async(out.nbytes(), encoder));
-
-    // Each parameter's value in a slot of its own, as the node reads it: pointers and
-    // long longs fill a slot, ints its first four bytes.
-    const auto& params = k_.kernel.params;
-    std::vector<int64_t> slots(params.size());
-    std::vector<void*> pointers(params.size());
-    for (size_t i = 0; i < params.size(); i++) {
-      const Param& p = params[i];
-      void* slot = &slots[i];
-      switch (p.kind) {
-        case Param::Input:
-          *static_cast<const void**>(slot) = mx::gpu_ptr<void>(inputs[p.index]);
-          break;
-        case Param::Output:
-          *static_cast<void**>(slot) = mx::gpu_ptr<void>(outputs[p.index]);
-          break;
-        case Param::Dim:
-          *static_cast<int32_t*>(slot) = inputs[p.index].shape(p.axis);
-          break;
-        case Param::Stride:
-          *static_cast<int64_t*>(slot) = inputs[p.index].strides(p.axis);
-          break;
-        case Param::Int:
-          *static_cast<int32_t*>(slot) = p.value;
-          break;
+    int in_place = k_.kernel.in_place;
+    for (size_t i = 0; i < outputs.size(); i++) {
+      auto& out = outputs[i];
+      if (i == 0 && in_place >= 0) {
+        const array& in = inputs[in_place];
+        if (in.flags().row_contiguous && in.data_size() == in.size() && in.is_donatable()) {
+          out.copy_shared_buffer(in);
+          continue;
+        }
+        out.set_data(a.malloc_async(out.nbytes(), encoder));
+        std::vector<array> filled{out};
+        add_node(*fill_, inputs, filled, encoder);
+        continue;
       }
-      pointers[i] = slot;
+      out.set_data(a.malloc_async(out.nbytes(), encoder));
     }
-    for (const auto& in : inputs) encoder.set_input_array(in);
-    for (const auto& out : outputs) encoder.set_output_array(out);
-    const auto& [gx, gy, gz] = k_.kernel.grid;
-    const auto& [bx, by, bz] = k_.kernel.block;
-    encoder.add_kernel_node_raw(k_.function, dim3(gx, gy, gz), dim3(bx, by, bz), dim3(1, 1, 1), 0, pointers.data());
+    add_node(k_, inputs, outputs, encoder);
   }
 
   const char* name() const override { return k_.kernel.entry.c_str(); }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto* o = dynamic_cast<const Launch*>(&other);
-    return o && &o->k_ == &k_;
+    return o && &o->k_ == &k_ && o->fill_ == fill_;
   }
 
  private:
   Instance& k_;
+  Instance* fill_;
 };
 
 }  // namespace
@@ -331,7 +417,9 @@ Instance& instance(const std::string& key, const std::function<Kernel()>& make) 
 std::vector<array> launch(Instance& kernel, const std::vector<array>& inputs, std::vector<mx::Shape> shapes,
                           std::vector<mx::Dtype> types, const Stream& s) {
   if (!available()) throw std::runtime_error("[cuda kernel] Emily's CUDA kernels are not available here");
-  auto primitive = std::make_shared<Launch>(s, kernel);
+  int in_place = kernel.kernel.in_place;
+  Instance* fill = in_place >= 0 ? &copy_kernel(in_place, inputs[in_place]) : nullptr;
+  auto primitive = std::make_shared<Launch>(s, kernel, fill);
   return array::make_arrays(std::move(shapes), types, std::move(primitive), inputs);
 }
 

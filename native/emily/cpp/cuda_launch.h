@@ -36,13 +36,17 @@ struct Param {
 
 // A kernel: one `extern "C" __global__` function `entry` in `source`, a translation unit
 // that includes nothing (it starts with `kTypes`), launched on `grid` blocks of `block`
-// threads with `params`.
+// threads with `params`. Where `in_place` names an input (of the output's shape and
+// type), the output starts as that input's elements and the kernel writes some of them:
+// the output takes the input's buffer where MLX may donate it (row-contiguous, no other
+// reader), as MLX's own updates do, and is otherwise first filled with a copy.
 struct Kernel {
   std::string entry;
   std::string source;
   std::vector<Param> params;
   std::array<unsigned, 3> grid{1, 1, 1};
   std::array<unsigned, 3> block{1, 1, 1};
+  int in_place = -1;
 };
 
 struct Instance;
@@ -66,6 +70,9 @@ std::vector<array> launch(Instance& kernel, const std::vector<array>& inputs, st
 // The storage types a kernel's source names for MLX's floating types (`float`, `bf16_t`,
 // `f16_t`; `bool` for bool) and the conversions of kTypes.
 const char* type_name(mlx::core::Dtype t);
+// The unsigned integer type of `bytes` bytes (1, 2, 4 or 8), for kernels that move
+// elements of any type without reading them.
+const char* bits_type(size_t bytes);
 
 // The start of every kernel's source: bf16_t and f16_t, `to_float(x)` and
 // `from_float<T>(f)`, which rounds to nearest even as CUDA's own conversions do.

@@ -1,6 +1,8 @@
 // Indexing glue: see index.h.
 #include "index.h"
 
+#include "cuda_kernels.h"
+
 #include <limits>
 #include <stdexcept>
 
@@ -181,27 +183,58 @@ array slice_dynamic(const array& a, const array& starts, const std::vector<int>&
 }
 
 array slice_update_dynamic(const array& a, const array& update, const array& starts,
-                           const std::vector<int>& axes_in, const Stream& s) {
+                           const std::vector<int>& axes, const Stream& s) {
+  return slice_update_repeated(a, update, starts, axes, 0, 1, s);
+}
+
+array slice_update_repeated(const array& a, const array& update_in, const array& starts,
+                            const std::vector<int>& axes_in, int axis_in, int repeats,
+                            const Stream& s) {
   int r = a.ndim();
-  if (update.ndim() != a.ndim()) {
-    fail("the update " + str(update.shape()) + " and the tensor " + str(a.shape()) +
+  if (update_in.ndim() != a.ndim()) {
+    fail("the update " + str(update_in.shape()) + " and the tensor " + str(a.shape()) +
          " differ in rank");
   }
+  if (repeats < 1) fail("repeats must be positive, got " + std::to_string(repeats));
+  int axis = r == 0 && repeats == 1 ? 0 : normalize_axis(axis_in, r);
+  Shape repeated = update_in.shape();
+  if (r > 0) repeated[axis] *= repeats;
   for (int i = 0; i < r; i++) {
-    if (update.shape(i) > a.shape(i)) {
-      fail("the update " + str(update.shape()) + " does not fit in " + str(a.shape()));
+    if (repeated[i] > a.shape(i)) {
+      fail("the update " + str(repeated) + " does not fit in " + str(a.shape()));
     }
   }
+  if (repeats > 1 && repeated[axis] != a.shape(axis)) {
+    fail("an update repeated along axis " + std::to_string(axis) + " must cover it: " +
+         str(repeated) + " into " + str(a.shape()));
+  }
   auto axes = check_axes(axes_in, r);
+  array update = update_in.dtype() == a.dtype() ? update_in : mx::astype(update_in, a.dtype(), s);
+  if (cuda_put_slice_applies(a, update, starts, axes, s)) {
+    return cuda_put_slice(a, update, starts, axes, axis, repeats, s);
+  }
+  if (repeats > 1) {
+    // `a` viewed with `axis` split into (heads, repeats), the update broadcast over the
+    // repeats: the same elements, the repeat never copied. The split axis's start clamps
+    // to 0 either way (the update covers it), the axes after it move one along.
+    Shape split = a.shape(), split_update = update.shape();
+    split[axis] /= repeats;
+    split.insert(split.begin() + axis + 1, repeats);
+    split_update.insert(split_update.begin() + axis + 1, repeats);
+    array u = mx::broadcast_to(mx::expand_dims(update, axis + 1, s), split_update, s);
+    std::vector<int> split_axes;
+    for (int ax : axes) split_axes.push_back(ax > axis ? ax + 1 : ax);
+    return mx::reshape(slice_update_repeated(mx::reshape(a, split, s), u, starts, split_axes, 0, 1, s),
+                       a.shape(), s);
+  }
   if (axes.empty()) return mx::slice_update(a, update, Shape(r, 0), update.shape(), s);
   std::vector<int64_t> limit;
   for (int ax : axes) limit.push_back(a.shape(ax) - update.shape(ax));
   if (s.device == mx::Device::gpu && update.size() > 0 && a.itemsize() < 8) {
-    // On a GPU MLX's dynamic update is two kernels, one to compute the offset from the
-    // starts and the copy; a scatter of the whole update at the starts is one. Both
-    // write in place where `a`'s buffer can be donated, and read the update through
-    // its strides (a broadcast is not copied first). (MLX's GPU scatter takes no
-    // 8-byte types.)
+    // Without Emily's kernel (cuda_put_slice.cc), a scatter of the whole update at the
+    // starts: one kernel where MLX's dynamic update is two (the offset from the starts,
+    // then the copy). Both write in place where `a`'s buffer can be donated, and read the
+    // update through its strides. (MLX's GPU scatter takes no 8-byte types.)
     return mx::scatter(a, clamped_columns(starts, limit, s), mx::expand_dims(update, 0, s),
                        axes, s);
   }

@@ -45,6 +45,13 @@ array slice_dynamic(const array& a, const array& starts, const std::vector<int>&
 array slice_update_dynamic(const array& a, const array& update, const array& starts,
                            const std::vector<int>& axes, const Stream& s);
 
+// The same for an update whose index along `axis` repeats `repeats` times (each head of a
+// grouped-query key written over the query heads it serves), which must then cover that
+// axis of `a`: the update is read unrepeated.
+array slice_update_repeated(const array& a, const array& update, const array& starts,
+                            const std::vector<int>& axes, int axis, int repeats,
+                            const Stream& s);
+
 // Nx's gather: `indices` of shape {..., k} address the k `axes`; the result has shape
 // indices.shape[:-1] ++ the dims of the other axes. Indices are clamped into range.
 array gather_nx(const array& a, const array& indices, const std::vector<int>& axes,

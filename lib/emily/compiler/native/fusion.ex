@@ -26,6 +26,7 @@ if Code.ensure_loaded?(Nx) do
 
     alias Nx.Tensor, as: T
     alias Nx.Defn.Expr
+    alias Emily.Compiler.Native.Index
 
     import Emily.Compiler.Native, only: [emit: 3, operand: 3, lower_node: 2, constant_value: 2]
 
@@ -654,31 +655,19 @@ if Code.ensure_loaded?(Nx) do
 
     # `put_slice(c, starts, r)` where r `{B, L, H * g, D}` repeats each head of x0
     # `{B, L, H, D}` g times (Bumblebee's grouped-query keys and values, repeated before
-    # they are cached) and covers c's whole head axis: the same elements written into c
-    # viewed as `{B', L', H, g, D}`, from x0 broadcast over g. The repeat is then never
-    # copied (MLX reads a broadcast through its strides); the head axis's start clamps
-    # to 0 either way. Any type: it moves elements only.
-    defp repeated_update(%T{shape: {b, l, hg, d} = shape, type: type} = t) do
+    # they are cached) and covers c's whole head axis: the same elements written from x0,
+    # read unrepeated (Index.put_slice_repeated/6). The head axis's start clamps to 0
+    # either way. Any type: it moves elements only.
+    defp repeated_update(%T{shape: {_, _, hg, d} = shape, type: type} = t) do
       %Expr{args: [c, starts, r]} = t.data
 
       with {_, _, ^hg, ^d} <- r.shape,
            {:ok, x0, g} <- repeats(r) do
-        h = div(hg, g)
-
         build = fn st ->
           {cs, st} = operand(c, type, st)
-          {c5, st} = emit(st, :reshape, [cs, {b, l, h, g, d}])
-          {xb, xl, ^h, ^d} = x0.shape
           {xs, st} = operand(x0, type, st)
-          {x5, st} = emit(st, :reshape, [xs, {xb, xl, h, 1, d}])
-          u5 = {xb, xl, h, g, d}
-          {u, st} = emit(st, :broadcast_to, [x5, u5])
-          starts = starts |> List.replace_at(2, 0) |> List.insert_at(3, 0)
-
-          {out, st} =
-            Emily.Compiler.Native.Index.put_slice(st, {c5, {b, l, h, g, d}}, {u, u5}, starts)
-
-          emit(st, :reshape, [out, shape])
+          starts = List.replace_at(starts, 2, 0)
+          Index.put_slice_repeated(st, {cs, shape}, {xs, x0.shape}, starts, 2, g)
         end
 
         {%{rewrite: :repeated_update, groups: g}, build}

@@ -194,6 +194,33 @@ if Code.ensure_loaded?(Nx) do
       end
     end
 
+    @doc false
+    # As put_slice/4 for an update `u` (of `upd_shape`) whose index along `axis` stands
+    # for `repeats` consecutive indices of x's (each head of a grouped-query key for the
+    # query heads it serves), covering that axis. Known starts: `u` broadcast over the
+    # repeats into x viewed with that axis split in two; tensor starts: one instruction
+    # that reads `u` unrepeated (on a GPU one kernel writing in place).
+    def put_slice_repeated(st, {x, shape}, {u, upd_shape}, starts, axis, repeats) do
+      case known_starts(starts, st) do
+        {:ok, starts, st} ->
+          split = fn shape, n ->
+            shape |> Tuple.insert_at(axis + 1, n) |> put_elem(axis, div(elem(shape, axis), n))
+          end
+
+          {x5, st} = emit(st, :reshape, [x, split.(shape, repeats)])
+          {u5, st} = emit(st, :reshape, [u, split.(upd_shape, 1)])
+          u5_shape = Tuple.insert_at(upd_shape, axis + 1, repeats)
+          {u5, st} = emit(st, :broadcast_to, [u5, u5_shape])
+          starts = List.insert_at(starts, axis + 1, 0)
+          {out, st} = put_slice(st, {x5, split.(shape, repeats)}, {u5, u5_shape}, starts)
+          emit(st, :reshape, [out, shape])
+
+        {:dynamic, starts, st} ->
+          {starts, axes, st} = dynamic_starts(starts, st)
+          emit(st, :slice_update_repeated, [x, u, starts, axes, axis, repeats])
+      end
+    end
+
     # Start indices as numbers, where each is a number or a tensor computed from
     # constants alone (an unrolled loop's counter): computed now. Where one reads an
     # input, `{:dynamic, starts, st}`: those computed now as numbers, the rest tensors.
