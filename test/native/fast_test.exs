@@ -248,8 +248,9 @@ defmodule Emily.Native.FastTest do
     # kernel (cpp/cuda_attention.cc): Bumblebee's shapes (a [B, L, heads, D] cache read
     # transposed, grouped-query heads, a [B, 1, 1, L] padding mask), over a cache of more
     # keys than the block's 32 warps and one of fewer (some warps see no key), bool and
-    # additive masks and one that hides every key, in f32, bf16 and f16, against the CPU
-    # stream's f32 on the same rounded values.
+    # additive masks, one that hides every key, one of two axes and one of all four (the
+    # kernel reads each as broadcast), in f32, bf16 and f16, against the CPU stream's f32
+    # on the same rounded values.
     @tag :gpu
     test "a decoding step with an array mask on a GPU, against the CPU" do
       for lk <- [5, 301], do: check_gpu_decode_attention(lk)
@@ -282,8 +283,18 @@ defmodule Emily.Native.FastTest do
 
           # No key seen: every row gets the values' mean, as the composition gives.
           none = on.(Enum.map(keep, fn _ -> false end), :bool, {b, 1, 1, lk}, stream)
+          # A mask of fewer axes (each query row its own keys), and one of every axis.
+          rows = on.(for(i <- 1..lq, j <- 1..lk, do: rem(i + j, 3) != 0), :bool, {lq, lk}, stream)
+          zeros = on.(List.duplicate(0.0, b * hq * lq * lk), {:f, 32}, {b, hq, lq, lk}, stream)
+          full = N.add(stream, N.broadcast_to(stream, add, {b, hq, lq, lk}), zeros)
 
-          for mask <- [bool, N.astype(stream, add, type), none] do
+          for mask <- [
+                bool,
+                N.astype(stream, add, type),
+                none,
+                rows,
+                N.astype(stream, full, type)
+              ] do
             l(N.scaled_dot_product_attention(stream, qs, ks, vs, 0.088, "array", mask, nil))
           end
         end

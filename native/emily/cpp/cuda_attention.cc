@@ -11,9 +11,10 @@
 // consecutive elements of the head, and keeps a running softmax over its keys (the
 // largest score, the sum of exponentials and the weighted values, in f32); the block
 // then rescales the warps' parts to the row's largest score and sums them. q, k, v and
-// the mask are read through their strides, grouped-query heads read their key/value
-// head in place, and the mask applies as the composition applies it (false: f32's
-// lowest value; additive: added).
+// the mask are read through their strides (the mask's as broadcast to the scores, so
+// that no layer needs a broadcast node of its own), grouped-query heads read their
+// key/value head in place, and the mask applies as the composition applies it (false:
+// f32's lowest value; additive: added).
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -135,8 +136,10 @@ cuda::Kernel attention_kernel(mx::Dtype t, mx::Dtype mask, float scale, int head
   std::vector<P> params{{P::Input, 0}, {P::Input, 1}, {P::Input, 2}, {P::Input, 3}, {P::Output, 0},
                         {P::Dim, 0, 1},  {P::Dim, 0, 2},  {P::Dim, 0, 3},  {P::Dim, 1, 1},  {P::Dim, 1, 2},
                         {P::Dim, 2, 3}};
-  for (int in = 0; in < 4; in++)
+  for (int in = 0; in < 3; in++)
     for (int axis = 0; axis < 4; axis++) params.push_back({P::Stride, in, axis});
+  // The mask as broadcast to the scores' shape, read where it lies (no broadcast node).
+  for (int axis = 0; axis < 4; axis++) params.push_back({P::BroadcastStride, 3, axis, 4});
   return {"emily_decode_attention", std::move(src), std::move(params), {blocks, 1, 1}, {kWarps * 32, 1, 1}};
 }
 
@@ -158,8 +161,6 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
 
 array cuda_attention(const array& q, const array& k, const array& v, float scale, const array& mask,
                      const Stream& s) {
-  auto scores = q.shape();
-  scores.back() = k.shape(2);
   auto out = q.shape();
   out.back() = v.shape(3);
   unsigned blocks = q.shape(0) * q.shape(1) * q.shape(2);
@@ -169,7 +170,7 @@ array cuda_attention(const array& q, const array& k, const array& v, float scale
                     num(static_cast<int>(mask.dtype().val())) + " " + num(std::bit_cast<int>(scale)) + " " +
                     num(head) + " " + num(blocks);
   auto& kernel = cuda::instance(key, [&] { return attention_kernel(q.dtype(), mask.dtype(), scale, head, blocks); });
-  return cuda::launch(kernel, {q, k, v, mx::broadcast_to(mask, scores, s)}, {out}, {q.dtype()}, s)[0];
+  return cuda::launch(kernel, {q, k, v, mask}, {out}, {q.dtype()}, s)[0];
 }
 
 }  // namespace emily

@@ -344,6 +344,12 @@ void add_node(Instance& k, const std::vector<array>& inputs, std::vector<array>&
       case Param::Int:
         *static_cast<int32_t*>(slot) = p.value;
         break;
+      case Param::BroadcastStride: {
+        const array& in = inputs[p.index];
+        int axis = p.axis - (p.value - static_cast<int>(in.ndim()));
+        *static_cast<int64_t*>(slot) = axis < 0 || in.shape(axis) == 1 ? 0 : in.strides(axis);
+        break;
+      }
     }
     pointers[i] = slot;
   }

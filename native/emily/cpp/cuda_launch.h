@@ -27,6 +27,9 @@ struct Param {
     Dim,     // the input's size along `axis`: an int
     Stride,  // the input's stride along `axis`, in elements: a long long
     Int,     // `value`: an int
+    // The input's stride along `axis` as broadcast to rank `value` (axes aligned at the
+    // end), 0 where it has no such axis or a unit one: a long long.
+    BroadcastStride,
   };
   Kind kind;
   int index = 0;  // the input or output
