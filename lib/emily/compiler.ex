@@ -170,7 +170,8 @@ if Code.ensure_loaded?(Nx) do
     the query heads, as its grouped-query models cache them) are written from the
     unrepeated tensor, without the copy that materialises the repeat: the same
     elements, any type. At a position computed on the device (a decoding step's), that
-    is one instruction, on a CUDA GPU one kernel writing into the cache's buffer.
+    is one instruction, on a CUDA GPU one kernel, writing into the cache's buffer where
+    it can be donated.
 
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as

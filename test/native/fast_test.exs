@@ -285,8 +285,10 @@ defmodule Emily.Native.FastTest do
           none = on.(Enum.map(keep, fn _ -> false end), :bool, {b, 1, 1, lk}, stream)
           # A mask of fewer axes (each query row its own keys), and one of every axis.
           rows = on.(for(i <- 1..lq, j <- 1..lk, do: rem(i + j, 3) != 0), :bool, {lq, lk}, stream)
-          zeros = on.(List.duplicate(0.0, b * hq * lq * lk), {:f, 32}, {b, hq, lq, lk}, stream)
-          full = N.add(stream, N.broadcast_to(stream, add, {b, hq, lq, lk}), zeros)
+          # (Each head and row its own additive part, so that a wrong stride on any axis shows.)
+          parts = for x <- 0..(b * hq * lq * lk - 1), do: -rem(x * 7 + div(x, lk), 5) * 0.5
+          parts = on.(parts, {:f, 32}, {b, hq, lq, lk}, stream)
+          full = N.add(stream, N.broadcast_to(stream, add, {b, hq, lq, lk}), parts)
 
           for mask <- [
                 bool,

@@ -205,6 +205,13 @@ defmodule Emily.Native.IndexTest do
         l(N.slice_update_repeated(s(), a, u, i32([0]), [1], 2, 3))
       end
 
+      # 65536 * 65537 wraps to 65536 in 32 bits: refused, not written outside the tensor.
+      big = t([0.0], {:f, 32}, {1}) |> then(&N.broadcast_to(s(), &1, {65_536}))
+
+      assert_raise Emily.Error, ~r/repeated 65537 times along axis 0 does not fit/, fn ->
+        l(N.slice_update_repeated(s(), big, big, i32([0]), [0], 0, 65_537))
+      end
+
       assert_raise Emily.Error, ~r/repeats must be positive/, fn ->
         l(N.slice_update_repeated(s(), a, u, i32([0]), [1], 2, 0))
       end
@@ -218,8 +225,10 @@ defmodule Emily.Native.IndexTest do
 
     # On a GPU the repeated update is Emily's kernel (cpp/cuda_put_slice.cc), which writes
     # in place where the cache may be donated (an intermediate of a program) and copies
-    # it first where not (a tensor the caller holds): both the CPU's values, for types of
-    # each width, clamped starts and int32 and int64 starts.
+    # it first where not (a tensor the caller holds, which stays as it was; a transposed
+    # view, read through its strides): each the CPU's values, for types of each width,
+    # clamped int32 and int64 starts, starts on every axis (the repeated one's clamps to
+    # 0) and an update read through strides.
     @tag :gpu
     test "repeated along an axis on a GPU: the CPU's values, in place and copied" do
       gpu = Emily.Stream.default(:gpu)
@@ -229,8 +238,10 @@ defmodule Emily.Native.IndexTest do
         Emily.from_binary(Emily.to_binary(t), Emily.shape(t), Emily.dtype(t), stream: gpu)
       end
 
-      # The cache as maximum(a, a): an intermediate no one else holds.
-      instrs = [{:maximum, [0, 0]}, {:slice_update_repeated, [3, 1, 2, [1], 2, 2]}]
+      # The cache as maximum(a, a): an intermediate no one else holds. Then the cache as
+      # a transpose of its transpose: a view of the input, copied.
+      in_place = [{:maximum, [0, 0]}, {:slice_update_repeated, [3, 1, 2, [1], 2, 2]}]
+      strided = [{:transpose, [0, [1, 0, 2, 3]]}, {:slice_update_repeated, [3, 1, 2, [1], 2, 2]}]
 
       for type <- [{:f, 32}, {:bf, 16}, {:s, 64}, {:u, 8}],
           starts <- [i32([3]), i32([-2]), t([7], {:s, 64})] do
@@ -239,9 +250,28 @@ defmodule Emily.Native.IndexTest do
         [ga, gu, gi] = Enum.map([a, u, starts], on_gpu)
         assert l(N.slice_update_repeated(gpu, ga, gu, gi, [1], 2, 2)) == want, inspect(type)
 
-        program = Emily.Program.new(instrs, inputs: 3, outputs: [4])
-        [out] = Emily.Program.run(program, [ga, gu, gi], stream: gpu)
+        [out] =
+          Emily.Program.new(in_place, inputs: 3, outputs: [4])
+          |> Emily.Program.run([ga, gu, gi], stream: gpu)
+
         assert l(out) == want, inspect({type, :in_place})
+        assert l(ga) == l(a), inspect({type, :caller_unchanged})
+
+        ga_t = on_gpu.(N.transpose(s(), a, [1, 0, 2, 3]))
+
+        [out] =
+          Emily.Program.new(strided, inputs: 3, outputs: [4])
+          |> Emily.Program.run([ga_t, gu, gi], stream: gpu)
+
+        assert l(out) == want, inspect({type, :strided_cache})
+
+        # Every axis listed, the axis counted from the end, the update transposed back
+        # from its transpose (a strided view).
+        every = i32([1, 2, 3, 0])
+        want = l(N.slice_update_dynamic(s(), a, full, every, [0, 1, 2, 3]))
+        gu_t = N.transpose(gpu, on_gpu.(N.transpose(s(), u, [0, 1, 3, 2])), [0, 1, 3, 2])
+        got = N.slice_update_repeated(gpu, ga, gu_t, on_gpu.(every), [0, 1, 2, 3], -2, 2)
+        assert l(got) == want, inspect({type, :every_axis})
       end
     end
 

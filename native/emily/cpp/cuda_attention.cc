@@ -155,6 +155,13 @@ bool cuda_attention_applies(const array& q, const array& k, const array& v, cons
   if (q.dtype() != k.dtype() || q.dtype() != v.dtype() || !floating(q.dtype())) return false;
   if (mask->dtype() != mx::bool_ && !floating(mask->dtype())) return false;
   int rows = q.shape(2), head = q.shape(3), keys = k.shape(2), q_heads = q.shape(1), kv_heads = k.shape(1);
+  // The kernel reads the mask as broadcast to the scores [B, heads, rows, keys]: each of
+  // its axes (aligned at the end) must be 1 or the scores'.
+  int scores[4] = {q.shape(0), q_heads, rows, keys};
+  for (int i = 0; i < static_cast<int>(mask->ndim()); i++) {
+    int dim = mask->shape(i), want = scores[4 - mask->ndim() + i];
+    if (dim != 1 && dim != want) return false;
+  }
   return rows >= 1 && rows <= kMaxRows && head >= 1 && head <= kMaxHead && v.shape(3) >= 1 &&
          v.shape(3) <= kMaxHead && keys >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0;
 }

@@ -35,6 +35,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <mlx/backend/common/utils.h>
 #include <mlx/backend/cuda/allocator.h>
 #include <mlx/backend/cuda/cuda.h>
 #include <mlx/backend/cuda/device.h>
@@ -353,7 +354,8 @@ void add_node(Instance& k, const std::vector<array>& inputs, std::vector<array>&
     }
     pointers[i] = slot;
   }
-  // The graph orders nodes by the buffers they read and write.
+  // MLX's encoder orders each node after the last node that wrote a buffer it reads or
+  // writes.
   for (const auto& in : inputs) encoder.set_input_array(in);
   for (const auto& out : outputs) encoder.set_output_array(out);
   const auto& [gx, gy, gz] = k.kernel.grid;
@@ -377,7 +379,10 @@ class Launch : public mx::Primitive {
       auto& out = outputs[i];
       if (i == 0 && in_place >= 0) {
         const array& in = inputs[in_place];
-        if (in.flags().row_contiguous && in.data_size() == in.size() && in.is_donatable()) {
+        // As MLX's own updates donate (and no larger buffer than the output needs). An
+        // input that a node queued earlier still reads is not donatable: each node holds
+        // its inputs' data until its graph completes.
+        if (in.flags().row_contiguous && in.data_size() == in.size() && mx::is_donatable(in, out)) {
           out.copy_shared_buffer(in);
           continue;
         }
@@ -424,6 +429,11 @@ std::vector<array> launch(Instance& kernel, const std::vector<array>& inputs, st
                           std::vector<mx::Dtype> types, const Stream& s) {
   if (!available()) throw std::runtime_error("[cuda kernel] Emily's CUDA kernels are not available here");
   int in_place = kernel.kernel.in_place;
+  if (in_place >= 0 && (shapes.empty() || inputs.at(in_place).shape() != shapes[0] ||
+                        inputs[in_place].dtype() != types[0] || inputs[in_place].ndim() == 0 ||
+                        inputs[in_place].size() == 0))
+    throw std::invalid_argument("[cuda kernel] " + kernel.kernel.entry +
+                                ": an in-place output takes its input's shape and type, of rank 1 or more, not empty");
   Instance* fill = in_place >= 0 ? &copy_kernel(in_place, inputs[in_place]) : nullptr;
   auto primitive = std::make_shared<Launch>(s, kernel, fill);
   return array::make_arrays(std::move(shapes), types, std::move(primitive), inputs);

@@ -5,8 +5,8 @@
 // position. MLX's own dynamic update is two kernels (the offset from the starts, then
 // the copy), and the scatter Emily used in its place needs the starts clamped, split
 // into index columns and the update given a leading axis: with Bumblebee's grouped-query
-// caches, whose update repeats each key/value head over its query heads, about seven
-// graph nodes per cache a layer, each paid for in host time at every step. This kernel
+// caches, whose update repeats each key/value head over its query heads, six graph
+// nodes per cache a layer, each paid for in host time at every step. This kernel
 // reads the unrepeated update through its strides, clamps the starts itself, and writes
 // into the cache's buffer where MLX may donate it (cuda_launch.h's `in_place`): one node.
 // It moves elements without reading them, so any type of 1, 2, 4 or 8 bytes.

@@ -198,11 +198,16 @@ array slice_update_repeated(const array& a, const array& update_in, const array&
   if (repeats < 1) fail("repeats must be positive, got " + std::to_string(repeats));
   int axis = r == 0 && repeats == 1 ? 0 : normalize_axis(axis_in, r);
   Shape repeated = update_in.shape();
-  if (r > 0) repeated[axis] *= repeats;
   for (int i = 0; i < r; i++) {
-    if (repeated[i] > a.shape(i)) {
-      fail("the update " + str(repeated) + " does not fit in " + str(a.shape()));
+    // In 64 bits: a product that wrapped in Shape's int could pass the checks and send
+    // the kernel's writes outside the tensor.
+    int64_t size = int64_t{update_in.shape(i)} * (i == axis ? repeats : 1);
+    if (size > a.shape(i)) {
+      std::string what = repeats == 1 ? "" : " repeated " + std::to_string(repeats) + " times along axis " +
+                                                 std::to_string(axis);
+      fail("the update " + str(update_in.shape()) + what + " does not fit in " + str(a.shape()));
     }
+    repeated[i] = static_cast<int>(size);
   }
   if (repeats > 1 && repeated[axis] != a.shape(axis)) {
     fail("an update repeated along axis " + std::to_string(axis) + " must cover it: " +

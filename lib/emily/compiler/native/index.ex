@@ -199,7 +199,8 @@ if Code.ensure_loaded?(Nx) do
     # for `repeats` consecutive indices of x's (each head of a grouped-query key for the
     # query heads it serves), covering that axis. Known starts: `u` broadcast over the
     # repeats into x viewed with that axis split in two; tensor starts: one instruction
-    # that reads `u` unrepeated (on a GPU one kernel writing in place).
+    # that reads `u` unrepeated (on a CUDA GPU one kernel, in place where x's buffer can
+    # be donated).
     def put_slice_repeated(st, {x, shape}, {u, upd_shape}, starts, axis, repeats) do
       case known_starts(starts, st) do
         {:ok, starts, st} ->
