@@ -169,9 +169,8 @@ if Code.ensure_loaded?(Nx) do
     (Bumblebee's `put_slice` of `repeat_interleave(x, g, axis: 2)` into a cache of all
     the query heads, as its grouped-query models cache them) are written from the
     unrepeated tensor, without the copy that materialises the repeat: the same
-    elements, any type. At a position computed on the device (a decoding step's), that
-    is one instruction, on a CUDA GPU one kernel, writing into the cache's buffer where
-    it can be donated.
+    elements, any type, in one instruction (on a CUDA GPU one kernel, writing into the
+    cache's buffer where it can be donated).
 
     Each lowered program that rewrites emits `[:emily, :compiler, :fusion]` telemetry,
     measurements `%{count: n}`, metadata `%{rewrites: rewrites}` (as

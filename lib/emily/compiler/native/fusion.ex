@@ -658,7 +658,7 @@ if Code.ensure_loaded?(Nx) do
     # they are cached) and covers c's whole head axis: the same elements written from x0,
     # read unrepeated (Index.put_slice_repeated/6). The head axis's start clamps to 0
     # either way. Any type: it moves elements only.
-    defp repeated_update(%T{shape: {_, _, hg, d} = shape, type: type} = t) do
+    defp repeated_update(%T{shape: {_, _, hg, d}, type: type} = t) do
       %Expr{args: [c, starts, r]} = t.data
 
       with {_, _, ^hg, ^d} <- r.shape,
@@ -667,7 +667,7 @@ if Code.ensure_loaded?(Nx) do
           {cs, st} = operand(c, type, st)
           {xs, st} = operand(x0, type, st)
           starts = List.replace_at(starts, 2, 0)
-          Index.put_slice_repeated(st, {cs, shape}, {xs, x0.shape}, starts, 2, g)
+          Index.put_slice_repeated(st, cs, xs, starts, 2, g)
         end
 
         {%{rewrite: :repeated_update, groups: g}, build}

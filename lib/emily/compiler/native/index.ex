@@ -195,31 +195,15 @@ if Code.ensure_loaded?(Nx) do
     end
 
     @doc false
-    # As put_slice/4 for an update `u` (of `upd_shape`) whose index along `axis` stands
-    # for `repeats` consecutive indices of x's (each head of a grouped-query key for the
-    # query heads it serves), covering that axis. Known starts: `u` broadcast over the
-    # repeats into x viewed with that axis split in two; tensor starts: one instruction
-    # that reads `u` unrepeated (on a CUDA GPU one kernel, in place where x's buffer can
-    # be donated).
-    def put_slice_repeated(st, {x, shape}, {u, upd_shape}, starts, axis, repeats) do
-      case known_starts(starts, st) do
-        {:ok, starts, st} ->
-          split = fn shape, n ->
-            shape |> Tuple.insert_at(axis + 1, n) |> put_elem(axis, div(elem(shape, axis), n))
-          end
-
-          {x5, st} = emit(st, :reshape, [x, split.(shape, repeats)])
-          {u5, st} = emit(st, :reshape, [u, split.(upd_shape, 1)])
-          u5_shape = Tuple.insert_at(upd_shape, axis + 1, repeats)
-          {u5, st} = emit(st, :broadcast_to, [u5, u5_shape])
-          starts = List.insert_at(starts, axis + 1, 0)
-          {out, st} = put_slice(st, {x5, split.(shape, repeats)}, {u5, u5_shape}, starts)
-          emit(st, :reshape, [out, shape])
-
-        {:dynamic, starts, st} ->
-          {starts, axes, st} = dynamic_starts(starts, st)
-          emit(st, :slice_update_repeated, [x, u, starts, axes, axis, repeats])
-      end
+    # As put_slice/4 for an update `u` whose index along `axis` stands for `repeats`
+    # consecutive indices of x's (each head of a grouped-query key for the query heads it
+    # serves), covering that axis: one instruction that reads `u` unrepeated (on a CUDA
+    # GPU one kernel, in place where x's buffer can be donated), whether the starts are
+    # known or computed.
+    def put_slice_repeated(st, x, u, starts, axis, repeats) do
+      {_known_or_dynamic, starts, st} = known_starts(starts, st)
+      {starts, axes, st} = dynamic_starts(starts, st)
+      emit(st, :slice_update_repeated, [x, u, starts, axes, axis, repeats])
     end
 
     # Start indices as numbers, where each is a number or a tensor computed from
@@ -245,11 +229,13 @@ if Code.ensure_loaded?(Nx) do
       if Enum.all?(starts, &is_integer/1), do: {:ok, starts, st}, else: {:dynamic, starts, st}
     end
 
-    # The start indices as one s64 vector, with the axes it gives starts for: where every
-    # integer start is 0, only the tensor starts (the op starts unlisted axes at 0), so
-    # that a decoding step's `[0, offset, 0, 0]` is the offset alone; otherwise all.
+    # The start indices as one s64 vector, with the axes it gives starts for: where some
+    # start is a tensor and every integer one is 0, only the tensor starts (the op starts
+    # unlisted axes at 0), so that a decoding step's `[0, offset, 0, 0]` is the offset
+    # alone; otherwise all.
     defp dynamic_starts(starts, st) do
-      if Enum.all?(starts, &(&1 == 0 or not is_integer(&1))) do
+      if Enum.any?(starts, &(not is_integer(&1))) and
+           Enum.all?(starts, &(&1 == 0 or not is_integer(&1))) do
         indexed = for {i, axis} <- Enum.with_index(starts), not is_integer(i), do: {i, axis}
         {vector, st} = starts_vector(Enum.map(indexed, &elem(&1, 0)), st)
         {vector, Enum.map(indexed, &elem(&1, 1)), st}
